@@ -1,0 +1,35 @@
+"""A character-level fast tokenizer for the chain task, saved with the model so it loads offline.
+
+One token per character keeps every single-digit fact one token wide: what the model attends to is
+exactly what it reasons about, and KV accounting is per character.
+"""
+
+from __future__ import annotations
+
+import string
+
+from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors
+from transformers import PreTrainedTokenizerFast
+
+PAD, BOS, EOS, UNK = "<pad>", "<bos>", "<eos>", "<unk>"
+SPECIAL_TOKENS = [PAD, BOS, EOS, UNK]
+CHARACTERS = list(string.digits + string.ascii_lowercase + "=;?+-*:,#\n ")
+
+
+def build_tokenizer() -> PreTrainedTokenizerFast:
+    vocab = {token: index for index, token in enumerate(SPECIAL_TOKENS + CHARACTERS)}
+    core = Tokenizer(models.WordLevel(vocab=vocab, unk_token=UNK))
+    core.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    core.decoder = decoders.Fuse()
+    # Every sequence starts with <bos>: a fixed first token that attention can rest on (a sink).
+    core.post_processor = processors.TemplateProcessing(single=f"{BOS} $A", special_tokens=[(BOS, vocab[BOS])])
+    return PreTrainedTokenizerFast(
+        tokenizer_object=core,
+        bos_token=BOS,
+        eos_token=EOS,
+        pad_token=PAD,
+        unk_token=UNK,
+        padding_side="left",
+        clean_up_tokenization_spaces=False,
+        model_max_length=4096,
+    )

@@ -1,0 +1,68 @@
+"""The chain of thought the shipped model is trained to write.
+
+Every micro-step is a single-digit fact, and every value the model will need later is written once,
+on its own line, as a two-digit register ``c=49``. So nearly all tokens are scratch that is dead a few
+tokens later, while registers must survive until their last use, possibly hundreds of tokens on:
+exactly the structure a learned KV evictor can exploit and a recency window cannot.
+
+For ``a=7;b=42;c=a+b;d=c*a;?d`` the model writes::
+
+    a=07
+    b=42
+    c:a+b=07+42:7+2=09,0+4=04,4+0=04
+    c=49
+    d:c*a=49*07:9*7=63,4*7=28,9*0=00,6+8=14,4+0=04
+    d=43
+    #43
+
+Each fact ``x?y=CD`` gives two characters: for ``+`` and ``*`` the two-digit result, for ``-`` the
+borrow and the digit. The first fact is on the units digits (its tens char is the carry/borrow);
+the following ones only pass on their units char, and the last one's units char is the tens digit.
+"""
+
+from __future__ import annotations
+
+from tasks.chain import Assignment, Problem
+
+
+def _fact(x: int, op: str, y: int) -> str:
+    if op == "+":
+        result = f"{x + y:02d}"
+    elif op == "*":
+        result = f"{x * y:02d}"
+    else:
+        result = f"{int(x < y)}{(x - y) % 10}"
+    return f"{x}{op}{y}={result}"
+
+
+def _facts(op: str, left: int, right: int) -> list[str]:
+    """The single-digit facts that compute ``(left op right) mod 100``; the last fact's units char is the tens digit."""
+    lt, lu, rt, ru = divmod(left, 10) + divmod(right, 10)
+    if op == "*":
+        carry = lu * ru // 10
+        p, q = lt * ru % 10, lu * rt % 10
+        r = (carry + p) % 10
+        return [_fact(lu, "*", ru), _fact(lt, "*", ru), _fact(lu, "*", rt), _fact(carry, "+", p), _fact(r, "+", q)]
+    if op == "+":
+        carry = (lu + ru) // 10
+        return [_fact(lu, "+", ru), _fact(lt, "+", rt), _fact((lt + rt) % 10, "+", carry)]
+    borrow = int(lu < ru)
+    return [_fact(lu, "-", ru), _fact(lt, "-", rt), _fact((lt - rt) % 10, "-", borrow)]
+
+
+def derived_line(a: Assignment, values: dict[str, int]) -> str:
+    left, right = values[a.y], values[a.z]  # type: ignore[index]
+    facts = ",".join(_facts(a.op, left, right))  # type: ignore[arg-type]
+    return f"{a.var}:{a.y}{a.op}{a.z}={left:02d}{a.op}{right:02d}:{facts}"
+
+
+def render_cot(problem: Problem) -> str:
+    """The complete target completion for a problem, ending with ``#<answer>``."""
+    values = problem.values
+    lines = []
+    for a in problem.assignments:
+        if not a.is_input:
+            lines.append(derived_line(a, values))
+        lines.append(f"{a.var}={values[a.var]:02d}")
+    lines.append(f"#{problem.answer}")
+    return "\n".join(lines)

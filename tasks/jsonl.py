@@ -1,0 +1,56 @@
+"""Problem files: JSON Lines of ``{"id", "prompt", "answer"}`` (extra keys such as ``k`` are kept)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Iterable
+
+from tasks.chain import ProblemError, parse_problem
+
+
+class ProblemFileError(ValueError):
+    """A problem file that cannot be used; the message names the file, line and field."""
+
+
+def read_problems(path: str | Path, limit: int | None = None) -> list[dict]:
+    """Read and validate a problem file; ``answer`` is checked against the reference solver."""
+    path = Path(path)
+    if not path.is_file():
+        raise ProblemFileError(f"problem file not found: {path}")
+    records: list[dict] = []
+    with path.open(encoding="utf-8") as handle:
+        for number, line in enumerate(handle, start=1):
+            if not line.strip():
+                continue
+            where = f"{path}:{number}"
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as error:
+                raise ProblemFileError(f"{where}: not valid JSON ({error.msg})") from None
+            if not isinstance(record, dict):
+                raise ProblemFileError(f"{where}: each line must be a JSON object")
+            for field in ("id", "prompt", "answer"):
+                if not isinstance(record.get(field), str):
+                    raise ProblemFileError(f"{where}: field '{field}' must be a string")
+            try:
+                problem = parse_problem(record["prompt"])
+            except ProblemError as error:
+                raise ProblemFileError(f"{where}: field 'prompt': {error}") from None
+            if record["answer"].lstrip("0") != problem.answer.lstrip("0"):
+                raise ProblemFileError(
+                    f"{where}: field 'answer' is {record['answer']!r} but the problem evaluates to {problem.answer!r}"
+                )
+            record.setdefault("k", problem.k)
+            records.append(record)
+            if limit is not None and len(records) >= limit:
+                break
+    if not records:
+        raise ProblemFileError(f"{path}: no problems in file")
+    return records
+
+
+def write_jsonl(path: str | Path, records: Iterable[dict]) -> None:
+    with Path(path).open("w", encoding="utf-8") as handle:
+        for record in records:
+            handle.write(json.dumps(record) + "\n")
