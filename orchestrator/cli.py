@@ -1,0 +1,230 @@
+"""The ``thinkpool`` command line. Bad input exits with code 2 and a message naming the option and the limit."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Callable
+
+from orchestrator.settings import get_settings
+
+
+def bounded(kind: Callable, low: float | None = None, high: float | None = None) -> Callable:
+    """An argparse type that converts with ``kind`` and enforces ``low <= value <= high``."""
+
+    def convert(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {kind.__name__}, got {text!r}") from None
+        if (low is not None and value < low) or (high is not None and value > high):
+            span = f"between {low} and {high}" if high is not None else f">= {low}"
+            raise argparse.ArgumentTypeError(f"must be {span}, got {text}")
+        return value
+
+    return convert
+
+
+def k_range(text: str) -> tuple[int, int]:
+    low, _, high = text.partition("-")
+    try:
+        k_min, k_max = int(low), int(high or low)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected K or KMIN-KMAX, got {text!r}") from None
+    if not 1 <= k_min <= k_max <= 24:
+        raise argparse.ArgumentTypeError(f"k range must lie within 1-24 with KMIN <= KMAX, got {text!r}")
+    return k_min, k_max
+
+
+def build_parser() -> argparse.ArgumentParser:
+    settings = get_settings()
+    max_samples = settings.limits.max_samples
+    parser = argparse.ArgumentParser(prog="thinkpool", description="Reasoning threads inside a fixed KV budget.")
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    def add_model(p: argparse.ArgumentParser) -> None:
+        p.add_argument("--model", type=Path, default=None, help="model directory (default: the shipped model)")
+
+    def add_sampling(p: argparse.ArgumentParser) -> None:
+        p.add_argument("--samples", type=bounded(int, 1, max_samples), default=1, help="threads per problem (1 = greedy)")
+        p.add_argument("--seed", type=int, default=0)
+        p.add_argument("--temperature", type=bounded(float, 0.01, 5.0), default=settings.sampling.temperature)
+        p.add_argument("--top-p", type=bounded(float, 0.01, 1.0), default=settings.sampling.top_p)
+        p.add_argument("--max-new-tokens", type=bounded(int, 1, 8192), default=settings.sampling.max_new_tokens)
+
+    solve = commands.add_parser("solve", help="solve one problem on the embedded default")
+    solve.add_argument("prompt", help="a chain problem, e.g. 'a=1;b=2;c=a+b;?c'")
+    add_sampling(solve)
+    add_model(solve)
+    solve.add_argument("--json", action="store_true", help="print one JSON object")
+
+    evaluate = commands.add_parser("eval", help="evaluate a problem file")
+    evaluate.add_argument("--problems", type=Path, required=True, help="JSONL file of {id, prompt, answer}")
+    evaluate.add_argument("--limit", type=bounded(int, 1), default=None)
+    add_sampling(evaluate)
+    add_model(evaluate)
+    evaluate.add_argument("--batch-size", type=bounded(int, 1, 4096), default=settings.generation.batch_size)
+    evaluate.add_argument("--json", action="store_true", help="print one JSON summary object")
+    evaluate.add_argument("--plot", type=Path, default=None, help="draw accuracy by k to this PNG")
+    evaluate.add_argument("--output", type=Path, default=None, help="write per-problem results (JSONL)")
+
+    info = commands.add_parser("info", help="the model served by default and its KV geometry")
+    add_model(info)
+    info.add_argument("--json", action="store_true")
+
+    generate = commands.add_parser("generate", help="write a seeded problem file")
+    generate.add_argument("--n", type=bounded(int, 1, 1_000_000), required=True)
+    generate.add_argument("--k", type=k_range, default=(1, 20), help="difficulty K or KMIN-KMAX (default 1-20)")
+    generate.add_argument("--seed", type=int, default=0)
+    generate.add_argument("--output", type=Path, required=True)
+
+    train = commands.add_parser("train", help="train the base model from a config (resumable)")
+    train.add_argument("--config", type=Path, default=Path("configs/train_base.yaml"))
+    train.add_argument("--steps", type=bounded(int, 1), default=None, help="stop after this many steps")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    handler = {"solve": cmd_solve, "eval": cmd_eval, "info": cmd_info, "generate": cmd_generate, "train": cmd_train}
+    return handler[args.command](args, parser)
+
+
+def _load(args, parser):
+    from dms_runtime.loading import ModelLoadError, default_model_path, load_model
+
+    path = args.model or default_model_path()
+    try:
+        model, tokenizer = load_model(path)
+    except ModelLoadError as error:
+        parser.error(f"argument --model: {error}")
+    return model, tokenizer, str(path)
+
+
+def cmd_solve(args, parser) -> int:
+    from policies.voting import majority_vote
+    from tasks.chain import ProblemError, parse_problem
+    from tasks.prompt import format_prompt
+    from workers.batch_generate import SamplingParams, generate_threads
+
+    try:
+        parse_problem(args.prompt)
+    except ProblemError as error:
+        parser.error(f"argument prompt: {error}")
+    model, tokenizer, _ = _load(args, parser)
+    started = time.perf_counter()
+    sampling = SamplingParams(
+        temperature=0.0 if args.samples == 1 else args.temperature,
+        top_p=args.top_p,
+        max_new_tokens=args.max_new_tokens,
+        seed=args.seed,
+    )
+    result = generate_threads(model, tokenizer, [format_prompt(args.prompt)], args.samples, sampling, progress=False)
+    vote = majority_vote([t.answer for t in result.threads])
+    report = {
+        "prompt": args.prompt,
+        "answer": vote.answer,
+        "votes": vote.counts,
+        "samples": args.samples,
+        "tokens": result.tokens_generated,
+        "kv_peak_bytes": result.kv_peak_bytes,
+        "time_s": round(time.perf_counter() - started, 3),
+    }
+    if args.json:
+        print(json.dumps(report))
+    else:
+        votes = ", ".join(f"{a}: {c}" for a, c in vote.counts.items()) or "no thread answered"
+        print(f"answer: {vote.answer}\nvotes: {votes}\ntokens: {report['tokens']}  time: {report['time_s']}s")
+    return 0
+
+
+def cmd_eval(args, parser) -> int:
+    from orchestrator.evaluate import EvalOptions, evaluate
+    from orchestrator.plots import plot_accuracy_by_k
+    from tasks.jsonl import ProblemFileError, read_problems, write_jsonl
+
+    try:
+        problems = read_problems(args.problems, args.limit)
+    except ProblemFileError as error:
+        parser.error(f"argument --problems: {error}")
+    model, tokenizer, name = _load(args, parser)
+    options = EvalOptions(
+        samples=args.samples,
+        seed=args.seed,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        max_new_tokens=args.max_new_tokens,
+        batch_size=args.batch_size,
+    )
+    report = evaluate(problems, model, tokenizer, options, name, progress=True)
+    records = report.pop("problems")
+    if args.output:
+        write_jsonl(args.output, records)
+    if args.plot:
+        label = "greedy" if args.samples == 1 else f"vote@{args.samples}"
+        plot_accuracy_by_k({label: report}, args.plot, title=f"{args.problems.name}: accuracy by difficulty")
+    if args.json:
+        print(json.dumps(report))
+    else:
+        print(f"n={report['n']} accuracy={report['accuracy']:.3f} tokens={report['tokens_generated']} "
+              f"tokens/s={report['tokens_per_s']:.0f} kv_peak_bytes={report['kv_peak_bytes']}")
+        for k, accuracy in report["accuracy_by_k"].items():
+            print(f"  k={k:>2}  {accuracy:.3f}  (n={report['n_by_k'][k]})")
+    return 0
+
+
+def cmd_info(args, parser) -> int:
+    from dms_runtime.loading import kv_geometry
+
+    model, _, name = _load(args, parser)
+    config = model.config
+    info = {
+        "model": name,
+        "architecture": type(model).__name__,
+        "parameters": sum(p.numel() for p in model.parameters()),
+        "hidden_size": config.hidden_size,
+        "num_attention_heads": config.num_attention_heads,
+        "vocab_size": config.vocab_size,
+        "max_position_embeddings": config.max_position_embeddings,
+        **kv_geometry(model).as_dict(),
+    }
+    if args.json:
+        print(json.dumps(info))
+    else:
+        for key, value in info.items():
+            print(f"{key}: {value}")
+    return 0
+
+
+def cmd_generate(args, parser) -> int:
+    from tasks.chain import generate_suite
+    from tasks.jsonl import write_jsonl
+
+    records = generate_suite(args.n, *args.k, seed=args.seed)
+    write_jsonl(args.output, records)
+    print(f"wrote {len(records)} problems (k {args.k[0]}-{args.k[1]}, seed {args.seed}) to {args.output}")
+    return 0
+
+
+def cmd_train(args, parser) -> int:
+    from pydantic import ValidationError
+
+    from dms_runtime.base_train import TrainConfig, train
+
+    if not args.config.is_file():
+        parser.error(f"argument --config: file not found: {args.config}")
+    try:
+        config = TrainConfig.from_yaml(args.config)
+    except ValidationError as error:
+        parser.error(f"argument --config: {error}")
+    path = train(config, steps=args.steps)
+    print(f"checkpoint: {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,54 @@
+"""Typed settings: ``configs/defaults.yaml`` (or ``$THINKPOOL_CONFIG``) plus environment overrides."""
+
+from __future__ import annotations
+
+import os
+from functools import lru_cache
+from pathlib import Path
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field
+
+from dms_runtime.loading import REPO_ROOT
+
+DEFAULTS_FILE = REPO_ROOT / "configs" / "defaults.yaml"
+
+
+class SamplingSettings(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    temperature: float = Field(0.8, gt=0, le=5)
+    top_p: float = Field(1.0, gt=0, le=1)
+    max_new_tokens: int = Field(1536, ge=1, le=8192)
+
+
+class GenerationSettings(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    batch_size: int = Field(64, ge=1, le=4096)
+
+
+class LimitSettings(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    max_samples: int = Field(256, ge=1)
+
+
+class Settings(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    sampling: SamplingSettings = SamplingSettings()
+    generation: GenerationSettings = GenerationSettings()
+    limits: LimitSettings = LimitSettings()
+
+
+def _apply_env(data: dict, environ: dict[str, str]) -> dict:
+    for section, fields in Settings.model_fields.items():
+        for key in fields.annotation.model_fields:  # type: ignore[union-attr]
+            value = environ.get(f"THINKPOOL_{section}_{key}".upper())
+            if value is not None:
+                data.setdefault(section, {})[key] = yaml.safe_load(value)
+    return data
+
+
+@lru_cache(maxsize=1)
+def get_settings() -> Settings:
+    path = Path(os.environ.get("THINKPOOL_CONFIG", DEFAULTS_FILE))
+    data = yaml.safe_load(path.read_text()) if path.is_file() else {}
+    return Settings.model_validate(_apply_env(data or {}, dict(os.environ)))

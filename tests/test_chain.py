@@ -1,0 +1,91 @@
+"""The chain task: generator, parser, reference solver and the CoT the model is trained on."""
+
+import random
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from tasks.chain import ProblemError, apply, generate_problem, generate_suite, parse_problem, solve
+from tasks.cot import render_cot
+
+
+def independent_solve(text: str) -> int:
+    """A second, deliberately naive interpreter of the problem text."""
+    env: dict[str, int] = {}
+    *statements, query = text.split(";")
+    for statement in statements:
+        name, expr = statement.split("=")
+        if expr.isdigit():
+            env[name] = int(expr)
+        else:
+            y, op, z = expr[0], expr[1], expr[2]
+            env[name] = eval(f"({env[y]}{op}{env[z]}) % 100")
+    return env[query[1:]]
+
+
+@settings(max_examples=300, deadline=None)
+@given(seed=st.integers(0, 10**9), k=st.integers(1, 20))
+def test_generated_problems_follow_the_format(seed, k):
+    problem = generate_problem(random.Random(seed), k)
+    text = problem.text
+    assert parse_problem(text) == problem
+    assert problem.k == k and 2 <= problem.m <= 6
+    assert problem.answer == str(independent_solve(text))
+    assert 0 <= int(problem.answer) <= 99 and problem.answer == str(int(problem.answer))
+    assert " " not in text and text.endswith(f";?{problem.query}")
+
+
+@settings(max_examples=300, deadline=None)
+@given(seed=st.integers(0, 10**9), k=st.integers(1, 24))
+def test_cot_facts_compute_every_register(seed, k):
+    problem = generate_problem(random.Random(seed), k)
+    lines = render_cot(problem).split("\n")
+    values = problem.values
+    assert lines[-1] == f"#{problem.answer}"
+    for index, line in enumerate(lines[:-1]):
+        if ":" in line:
+            facts = line.split(":")[2].split(",")
+            for fact in facts:
+                x, op, y, result = fact[0], fact[1], fact[2], fact[4:]
+                expected = int(x) + int(y) if op == "+" else int(x) * int(y) if op == "*" else None
+                if expected is not None:
+                    assert int(result) == expected
+                else:
+                    assert result == f"{int(int(x) < int(y))}{(int(x) - int(y)) % 10}"
+            register = lines[index + 1]
+            assert int(register[2:]) == int(facts[-1][-1]) * 10 + int(facts[0][-1]) == values[register[0]]
+
+
+def test_the_documented_example():
+    assert solve("a=7;b=42;c=a+b;d=c*a;e=d-b;?e") == "1"
+    assert apply("-", 3, 7) == 96 and apply("*", 42, 37) == 54
+
+
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ("a=1;b=2;c=a+x;?c", "unknown variable 'x'"),
+        ("a=1;b=2;c=a/b;?c", "unknown operator '/'"),
+        ("a=1;c=2;d=a+c;?d", "expected 'b=...'"),
+        ("a=1;b=02;c=a+b;?c", "without leading zeros"),
+        ("a=1;b=200;c=a+b;?c", "without leading zeros"),
+        ("a=1;b=2;c=a+b", "must end with ';?<last variable>'"),
+        ("a=1;b=2;c=a+b;?a", "must name the last variable 'c'"),
+        ("a=1;b=2;?b", "at least one derived assignment"),
+        ("a=1;b=a+a;c=b*b;?c", "number of inputs m=1"),
+        ("a=1;b=2;c=a+b;d=4;e=c+d;?e", "inputs must come before derived"),
+        ("a=1; b=2;c=a+b;?c", "must not contain spaces"),
+        ("", "empty"),
+    ],
+)
+def test_malformed_problems_are_rejected_with_the_reason(text, message):
+    with pytest.raises(ProblemError, match=message.replace("?", r"\?").replace("+", r"\+").replace("*", r"\*")):
+        parse_problem(text)
+
+
+def test_suite_is_seeded_and_spans_the_difficulty_range():
+    first, again = generate_suite(40, 1, 20, seed=5), generate_suite(40, 1, 20, seed=5)
+    assert first == again and first != generate_suite(40, 1, 20, seed=6)
+    assert sorted({r["k"] for r in first}) == list(range(1, 21))
+    assert all(parse_problem(r["prompt"]).k == r["k"] and solve(r["prompt"]) == r["answer"] for r in first)

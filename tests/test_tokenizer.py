@@ -1,0 +1,20 @@
+import random
+
+from transformers import AutoTokenizer
+
+from dms_runtime.tokenizer import build_tokenizer
+from tasks.chain import generate_problem
+from tasks.cot import render_cot
+from tasks.prompt import format_prompt
+
+
+def test_round_trip_is_one_token_per_character(tmp_path):
+    tokenizer = build_tokenizer()
+    tokenizer.save_pretrained(tmp_path)
+    loaded = AutoTokenizer.from_pretrained(tmp_path, local_files_only=True)
+    problem = generate_problem(random.Random(3), 12)
+    text = format_prompt(problem.text) + render_cot(problem)
+    ids = loaded(text)["input_ids"]
+    assert ids[0] == loaded.bos_token_id and len(ids) == len(text) + 1
+    assert loaded.unk_token_id not in ids
+    assert loaded.decode(ids, skip_special_tokens=True) == text
