@@ -1,0 +1,94 @@
+"""DMS adapter files: the gate weights of one compression ratio, saved beside their base model.
+
+``<model>/dms-8x.safetensors`` holds the gates; its header metadata (mirrored in ``dms-8x.json`` for people)
+records the base model's fingerprint, the target ratio, the window and the parametrization. Loading checks
+the fingerprint, so an adapter cannot silently be applied to a model it was not trained for.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+from safetensors import safe_open
+from torch import nn
+
+from dms_runtime.attach import DMSHandle, attach_dms
+from dms_runtime.config import DMSConfig
+from dms_runtime.gates import build_gates
+
+
+class AdapterError(ValueError):
+    """An adapter that is missing, malformed, or made for another base model."""
+
+
+def model_fingerprint(model: nn.Module) -> str:
+    """A short hash of a model's architecture and weights (names, shapes, dtypes and sampled values)."""
+    digest = hashlib.sha256(json.dumps(model.config.to_diff_dict(), sort_keys=True, default=str).encode())
+    for name, tensor in sorted(model.state_dict().items()):
+        flat = tensor.detach().flatten()
+        sample = flat[:: max(1, flat.numel() // 256)][:256].float().cpu().numpy().round(6)
+        digest.update(f"{name}:{tuple(tensor.shape)}:{tensor.dtype}".encode())
+        digest.update(sample.tobytes())
+    return digest.hexdigest()[:16]
+
+
+def adapter_path(model_dir: str | Path, cr: int | float) -> Path:
+    return Path(model_dir) / f"dms-{cr:g}x.safetensors"
+
+
+def save_adapter(path: str | Path, gates: nn.ModuleList, config: DMSConfig, base: nn.Module, target_cr: float, extra: dict | None = None) -> Path:
+    path = Path(path)
+    metadata = {
+        "format": "thinkpool-dms-adapter/1",
+        "base_fingerprint": model_fingerprint(base),
+        "base_architecture": type(base).__name__,
+        "target_cr": f"{target_cr:g}",
+        "dms_config": json.dumps(config.as_dict()),
+        **{k: json.dumps(v) for k, v in (extra or {}).items()},
+    }
+    tensors = {k: v.detach().float().cpu().contiguous() for k, v in gates.state_dict().items()}
+    save_file(tensors, str(path), metadata=metadata)
+    path.with_suffix(".json").write_text(json.dumps({k: _loads(v) for k, v in metadata.items()}, indent=2) + "\n")
+    return path
+
+
+def _loads(value: str):
+    try:
+        return json.loads(value)
+    except json.JSONDecodeError:
+        return value
+
+
+def read_adapter_metadata(path: str | Path) -> dict:
+    path = Path(path)
+    if not path.is_file():
+        raise AdapterError(f"no DMS adapter at {path}")
+    with safe_open(str(path), framework="pt") as handle:
+        metadata = handle.metadata() or {}
+    if metadata.get("format") != "thinkpool-dms-adapter/1":
+        raise AdapterError(f"{path} is not a thinkpool DMS adapter")
+    return {k: _loads(v) for k, v in metadata.items()}
+
+
+def load_adapter(model: nn.Module, path: str | Path, threshold: float | None = None, check_base: bool = True) -> DMSHandle:
+    """Attach the gates saved at ``path`` to ``model``; refuses an adapter made for another base model."""
+    metadata = read_adapter_metadata(path)
+    if check_base:
+        fingerprint = model_fingerprint(model)
+        if metadata["base_fingerprint"] != fingerprint:
+            raise AdapterError(
+                f"{path} was trained for base model {metadata['base_fingerprint']} "
+                f"({metadata['base_architecture']}), not for this one ({fingerprint})"
+            )
+    settings = dict(metadata["dms_config"])
+    if threshold is not None:
+        settings["threshold"] = threshold
+    config = DMSConfig(**settings)
+    gates = build_gates(model, config)
+    gates.load_state_dict(load_file(str(path)))
+    gates.to(next(model.parameters()).device)
+    return attach_dms(model, gates, config)

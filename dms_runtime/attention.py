@@ -1,0 +1,122 @@
+"""DMS attention, registered with transformers' attention interface under the name ``"dms"``.
+
+Model code is untouched: the attention modules call this function through ``ALL_ATTENTION_FUNCTIONS``
+and find their gate logits (set by a pre-hook, see :mod:`dms_runtime.attach`) on ``module.dms``.
+
+* Training (``module.dms.mode == "train"``): full-sequence attention where, for queries more than ``w``
+  positions after key ``j``, the score of ``j`` gets ``log(1 - alpha_j)``. ``alpha_j`` is a hard decision
+  from the noisy, temperature-scaled gate in the forward pass with a straight-through gradient.
+* Inference (``"infer"``): attention over the slots of a :class:`~dms_runtime.cache.DMSCache`, with the
+  visibility mask the cache computes (occupied, causal, padding, and delayed eviction).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch.nn import functional as F
+from transformers import AttentionInterface
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+NEG = -1e9
+
+
+@dataclass
+class LayerState:
+    """What one attention module needs from DMS during a forward pass."""
+
+    mode: str = "off"  # "train" | "infer" | "off"
+    window: int = 16
+    temperature: float = 0.1
+    noise: bool = True  # training: logistic noise on the gates; off gives deterministic decisions
+    logits: torch.Tensor | None = None  # [B, T, decisions]: logit at t decides about token t-1
+    alpha: torch.Tensor | None = None  # training: [B, decisions, T] straight-through eviction decisions
+    cache: object | None = None
+    extras: dict = field(default_factory=dict)
+
+
+def shifted_decisions(logits: torch.Tensor) -> torch.Tensor:
+    """Per-key decision logits ``[B, decisions, T]``: key j gets the logit computed at position j+1.
+
+    The last key has no decision yet: it gets a very negative logit (kept)."""
+    decision = torch.cat([logits[:, 1:], torch.full_like(logits[:, :1], NEG)], dim=1)
+    return decision.transpose(1, 2)
+
+
+def straight_through_alpha(decision_logits: torch.Tensor, temperature: float, noise: bool = True) -> torch.Tensor:
+    """Hard 0/1 eviction decisions in the forward pass; the gradient of the noisy relaxed sigmoid."""
+    if noise:
+        uniform = torch.rand_like(decision_logits).clamp(1e-6, 1 - 1e-6)
+        decision_logits = decision_logits + torch.log(uniform) - torch.log1p(-uniform)  # logistic noise
+    soft = torch.sigmoid(decision_logits / temperature)
+    hard = (soft > 0.5).to(soft.dtype)
+    return hard + soft - soft.detach()
+
+
+def eviction_bias(alpha: torch.Tensor, q_len: int, window: int) -> torch.Tensor:
+    """Additive score bias ``[B, decisions, q, k]``: ``log(1 - alpha_j)`` where ``i - j > window``, else 0.
+
+    Forward: 0 or a large negative (hard); backward: the gradient of ``log(1 - soft)``."""
+    k_len = alpha.shape[-1]
+    soft_log = torch.log1p(-alpha.clamp(max=1 - 1e-6))
+    hard_log = torch.where(alpha.detach() > 0.5, torch.full_like(alpha, NEG), torch.zeros_like(alpha))
+    per_key = hard_log + soft_log - soft_log.detach()
+    query_pos = torch.arange(k_len - q_len, k_len, device=alpha.device)[:, None]
+    beyond = (query_pos - torch.arange(k_len, device=alpha.device)[None, :]) > window
+    return per_key[:, :, None, :] * beyond
+
+
+def _expand_groups(tensor: torch.Tensor, groups: int) -> torch.Tensor:
+    """[B, kv_heads, ...] -> [B, kv_heads * groups, ...] (query heads of a KV group are adjacent)."""
+    return tensor.repeat_interleave(groups, dim=1) if groups > 1 else tensor
+
+
+def _base_mask(attention_mask: torch.Tensor | None, q_len: int, k_len: int, device) -> torch.Tensor:
+    """Boolean ``[B|1, 1, q, k]`` mask: the one transformers built, or causal."""
+    if attention_mask is None:
+        query_pos = torch.arange(k_len - q_len, k_len, device=device)[:, None]
+        return (torch.arange(k_len, device=device)[None, :] <= query_pos)[None, None]
+    if attention_mask.dtype != torch.bool:
+        return attention_mask > NEG / 2
+    return attention_mask
+
+
+def dms_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    state: LayerState | None = getattr(module, "dms", None)
+    if state is None or state.mode == "off":
+        return _sdpa(module, query, key, value, _base_mask(attention_mask, query.shape[2], key.shape[2], query.device), scaling)
+    if state.mode == "train":
+        return _train_attention(module, state, query, key, value, attention_mask, scaling)
+    visible = state.cache.visibility(module.layer_idx, attention_mask)  # [B, kv_heads, q, slots]
+    return _sdpa(module, query, key, value, visible, scaling)
+
+
+def _sdpa(module, query, key, value, visible: torch.Tensor, scaling):
+    groups = query.shape[1] // key.shape[1]
+    key, value = _expand_groups(key, groups), _expand_groups(value, groups)
+    mask = _expand_groups(visible, groups) if visible.shape[1] > 1 else visible
+    out = F.scaled_dot_product_attention(query, key.to(query.dtype), value.to(query.dtype), attn_mask=mask, scale=scaling)
+    return out.transpose(1, 2).contiguous(), None
+
+
+def _train_attention(module, state: LayerState, query, key, value, attention_mask, scaling):
+    q_len, k_len = query.shape[2], key.shape[2]
+    if q_len != k_len:
+        raise ValueError("DMS training attention needs the whole sequence at once (no cache)")
+    alpha = straight_through_alpha(shifted_decisions(state.logits.float()), state.temperature, state.noise)
+    state.alpha = alpha
+    groups = query.shape[1] // key.shape[1]
+    bias = eviction_bias(alpha, q_len, state.window)  # [B, decisions, q, k]
+    bias = bias.expand(-1, key.shape[1], -1, -1) if bias.shape[1] == 1 else bias
+    allowed = _base_mask(attention_mask, q_len, k_len, query.device)
+    scores = torch.matmul(query.float(), _expand_groups(key, groups).float().transpose(-1, -2)) * (scaling or query.shape[-1] ** -0.5)
+    scores = scores + _expand_groups(bias, groups)
+    scores = scores.masked_fill(~allowed, float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    out = torch.matmul(probs, _expand_groups(value, groups).float()).to(query.dtype)
+    return out.transpose(1, 2).contiguous(), None
+
+
+AttentionInterface.register("dms", dms_attention)
+AttentionMaskInterface.register("dms", sdpa_mask)

@@ -1,0 +1,79 @@
+"""The ``thinkpool`` command line, run as a user runs it (a subprocess)."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+
+def thinkpool(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "orchestrator.cli", *args], capture_output=True, text=True, timeout=600)
+
+
+def test_eval_json_reports_the_documented_fields(easy_file, tmp_path):
+    plot = tmp_path / "by_k.png"
+    done = thinkpool("eval", "--problems", str(easy_file), "--limit", "6", "--json", "--plot", str(plot))
+    assert done.returncode == 0, done.stderr
+    report = json.loads(done.stdout)
+    for field in ("n", "accuracy", "accuracy_by_k", "tokens_generated", "tokens_per_s", "kv_peak_bytes", "config"):
+        assert field in report
+    assert report["n"] == 6 and set(report["accuracy_by_k"]) <= {"1", "2", "3"}
+    assert report["accuracy"] >= 0.8 and report["tokens_generated"] > 6 * 30
+    # Six greedy threads of at most ~200 tokens, fp32 K+V of 6 layers x 2 heads x 32 dims.
+    assert 0 < report["kv_peak_bytes"] <= 6 * 260 * report["config"]["kv_bytes_per_token"]
+    assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_vote_reports_samples_and_votes(easy_file, tmp_path):
+    out = tmp_path / "results.jsonl"
+    done = thinkpool("eval", "--problems", str(easy_file), "--limit", "2", "--samples", "4", "--json", "--output", str(out))
+    assert done.returncode == 0, done.stderr
+    report = json.loads(done.stdout)
+    assert report["samples_per_problem"] == 4 and report["config"]["decoding"] == "sampled+majority"
+    records = [json.loads(line) for line in out.read_text().splitlines()]
+    assert len(records) == 2 and all(sum(r["votes"].values()) <= 4 for r in records)
+
+
+def test_solve_and_info():
+    done = thinkpool("solve", "a=7;b=42;c=a+b;d=c*a;e=d-b;?e", "--json")
+    assert done.returncode == 0, done.stderr
+    report = json.loads(done.stdout)
+    assert report["answer"] == "1" and report["votes"] == {"1": 1} and report["tokens"] > 50
+    info = json.loads(thinkpool("info", "--json").stdout)
+    assert info["architecture"] == "Qwen3ForCausalLM" and info["kv_bytes_per_token"] == 3072
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (("solve", "a=1;b=2;c=a+x;?c"), "unknown variable 'x'"),
+        (("solve", "a=1;b=2;c=a+b;?c", "--samples", "0"), "argument --samples: must be between 1 and 256"),
+        (("eval", "--problems", "missing.jsonl"), "problem file not found"),
+        (("eval", "--problems", "{bad}", "--temperature", "-1"), "argument --temperature"),
+        (("generate", "--n", "3", "--k", "0-30", "--output", "x.jsonl"), "argument --k"),
+        (("info", "--model", "/nonexistent"), "argument --model: no model at /nonexistent"),
+    ],
+)
+def test_bad_input_exits_2_with_a_clear_message(args, message, easy_file, tmp_path):
+    args = tuple(str(easy_file) if a == "{bad}" else a for a in args)
+    done = thinkpool(*args)
+    assert done.returncode == 2
+    assert message in done.stderr and "Traceback" not in done.stderr
+
+
+@pytest.mark.parametrize(
+    "line, message",
+    [
+        ('{"id": "x", "prompt": "a=1;b=2;c=a/b;?c", "answer": "3"}', "field 'prompt': assignment 3"),
+        ('{"id": "x", "prompt": "a=1;b=2;c=a+b;?c"}', "field 'answer' must be a string"),
+        ('{"id": "x", "prompt": "a=1;b=2;c=a+b;?c", "answer": "4"}', "field 'answer' is '4' but the problem evaluates to '3'"),
+        ("not json", "not valid JSON"),
+    ],
+)
+def test_bad_problem_files_are_rejected_naming_line_and_field(line, message, tmp_path):
+    path = tmp_path / "bad.jsonl"
+    path.write_text('{"id": "ok", "prompt": "a=1;b=2;c=a+b;?c", "answer": "3"}\n' + line + "\n")
+    done = thinkpool("eval", "--problems", str(path))
+    assert done.returncode == 2
+    assert f"{path}:2" in done.stderr and message in done.stderr

@@ -1,0 +1,157 @@
+"""DMS runtime on tiny random Llama and Qwen3 models: masks, cache, equivalences, adapters, retrofit."""
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
+
+from dms_runtime.adapters import AdapterError, load_adapter, read_adapter_metadata, save_adapter
+from dms_runtime.attach import attach_dms
+from dms_runtime.attention import eviction_bias, shifted_decisions
+from dms_runtime.config import DMSConfig
+from dms_runtime.gates import build_gates
+from dms_runtime.retrofit import RetrofitConfig, target_ratio
+
+VOCAB = 40
+
+
+def tiny(kind: str, seed: int = 0):
+    torch.manual_seed(seed)
+    common = dict(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, intermediate_size=128, pad_token_id=0)
+    if kind == "qwen3":
+        return Qwen3ForCausalLM(Qwen3Config(head_dim=16, **common)).eval()
+    return LlamaForCausalLM(LlamaConfig(**common)).eval()
+
+
+def set_logits(gates, logit: float):
+    """Make every gate emit a constant logit (positive: evict everything, negative: keep everything)."""
+    for gate in gates:
+        gate.weight.data.zero_()
+        object.__setattr__(gate.config, "init_offset", logit)
+
+
+MODELS = ["qwen3", "llama"]
+
+
+def test_training_bias_matches_a_direct_construction():
+    torch.manual_seed(0)
+    alpha = (torch.rand(2, 3, 10) > 0.5).float()
+    window = 3
+    bias = eviction_bias(alpha, q_len=10, window=window)
+    for b in range(2):
+        for h in range(3):
+            for i in range(10):
+                for j in range(10):
+                    expected = -1e9 if (i - j > window and alpha[b, h, j] == 1) else 0.0
+                    assert bias[b, h, i, j].item() == pytest.approx(expected)
+
+
+def test_decision_about_a_token_comes_from_the_next_position():
+    logits = torch.arange(5.0).view(1, 5, 1)  # position t emits logit t
+    decisions = shifted_decisions(logits)[0, 0]
+    assert decisions[:4].tolist() == [1.0, 2.0, 3.0, 4.0] and decisions[4] < -1e8
+
+
+def test_schedule_ramps_linearly_then_holds_at_each_stage():
+    config = RetrofitConfig(stages=[2, 4, 8], ramp_steps=10, hold_steps=5)
+    assert target_ratio(0, config) == (1.0, 0)
+    assert target_ratio(5, config) == (1.5, 0)
+    assert target_ratio(12, config) == (2.0, 0)
+    assert target_ratio(15, config) == (2.0, 1)
+    assert target_ratio(20, config) == (3.0, 1)
+    assert target_ratio(44, config) == (8.0, 2)
+    assert config.total_steps == 45
+
+
+@pytest.mark.parametrize("kind", MODELS)
+@pytest.mark.parametrize("per_head", [True, False])
+@pytest.mark.parametrize("parametrization", ["adapter", "query_neuron"])
+def test_generate_with_eviction_off_is_token_identical(kind, per_head, parametrization):
+    model = tiny(kind)
+    ids = torch.randint(3, VOCAB, (3, 9))
+    mask = torch.ones_like(ids)
+    mask[0, :3] = 0  # left padding
+    reference = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=24, do_sample=False)
+    config = DMSConfig(parametrization=parametrization, per_head=per_head, window=4)
+    handle = attach_dms(model, build_gates(model, config), config)
+    handle.set_mode("off" if parametrization == "query_neuron" else "infer")
+    cache = handle.new_cache() if parametrization == "adapter" else None
+    output = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=24, do_sample=False, past_key_values=cache)
+    assert torch.equal(output, reference)
+    if cache is not None:
+        # Nothing evicted: every real token is held (padding is released), in every head.
+        held = cache.layers[0].held_tokens()
+        assert held[0].tolist() == [6 + 23] * 2 and held[1].tolist() == [9 + 23] * 2
+    handle.detach()
+    assert torch.equal(model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=24, do_sample=False), reference)
+
+
+@pytest.mark.parametrize("kind", MODELS)
+def test_evicted_slots_are_reused_and_bytes_follow_tokens_held(kind):
+    model = tiny(kind)
+    window = 5
+    config = DMSConfig(window=window)
+    gates = build_gates(model, config)
+    set_logits(gates, 10.0)  # evict every token once it leaves the window
+    handle = attach_dms(model, gates, config)
+    cache = handle.new_cache()
+    ids = torch.randint(3, VOCAB, (2, 30))
+    model.generate(input_ids=ids, max_new_tokens=150, min_new_tokens=150, do_sample=False, past_key_values=cache)
+    layer = cache.layers[0]
+    # Visible: the window, plus the newest token whose decision is not made yet.
+    assert layer.held_tokens().max().item() == window + 1
+    head_dim = model.config.hidden_size // model.config.num_attention_heads
+    per_token = 2 * head_dim * 4
+    assert cache.bytes_held() == 2 * 2 * 2 * (window + 1) * per_token  # layers x rows x heads x tokens
+    # 180 tokens went through, but the slots stay at what the 30-token prefill needed.
+    assert layer.keys.shape[2] <= 30 + 64
+    assert torch.allclose(cache.realized_compression(), torch.tensor([179 / (window + 1)] * 2))
+    handle.detach()
+
+
+@pytest.mark.parametrize("kind", MODELS)
+@pytest.mark.parametrize("per_head", [True, False])
+def test_training_attention_matches_cache_inference(kind, per_head):
+    """Teacher-forced logits in training mode (hard decisions, no noise) equal incremental DMS decoding."""
+    model = tiny(kind, seed=1)
+    config = DMSConfig(window=3, per_head=per_head)
+    gates = build_gates(model, config)
+    torch.manual_seed(2)
+    for gate in gates:
+        gate.weight.data.normal_(0, 0.003)  # mixed keep/evict decisions
+        object.__setattr__(gate.config, "init_offset", 0.0)
+    handle = attach_dms(model, gates, config)
+    ids = torch.randint(3, VOCAB, (2, 24))
+    with torch.no_grad(), handle.mode("train"):
+        for module in handle.modules:
+            module.dms.noise = False
+        trained = model(input_ids=ids, use_cache=False).logits
+        evicted = sum(a.sum().item() for a in handle.alphas())
+    assert evicted > 10  # the comparison is meaningful: many tokens are evicted
+    cache = handle.new_cache()
+    with torch.no_grad():
+        steps = [model(input_ids=ids[:, :6], past_key_values=cache).logits]
+        for t in range(6, 24):
+            steps.append(model(input_ids=ids[:, t : t + 1], past_key_values=cache).logits)
+    incremental = torch.cat(steps, dim=1)
+    assert torch.allclose(trained, incremental, atol=1e-4)
+    assert cache.layers[1].held_tokens().min() < 24
+
+
+def test_adapter_round_trip_and_wrong_base_is_refused(tmp_path):
+    model = tiny("qwen3")
+    config = DMSConfig(window=7, parametrization="query_neuron")
+    gates = build_gates(model, config)
+    gates[0].weight.data.fill_(0.01)
+    path = save_adapter(tmp_path / "dms-4x.safetensors", gates, config, model, 4.0)
+    metadata = read_adapter_metadata(path)
+    assert metadata["target_cr"] == 4 and metadata["dms_config"]["window"] == 7
+    assert metadata["dms_config"]["parametrization"] == "query_neuron"
+    handle = load_adapter(model, path)
+    assert torch.equal(handle.gates[0].weight, gates[0].weight) and handle.config.window == 7
+    handle.detach()
+    other = tiny("qwen3", seed=5)
+    with pytest.raises(AdapterError, match="was trained for base model"):
+        load_adapter(other, path)
+    with pytest.raises(AdapterError, match="no DMS adapter"):
+        load_adapter(model, tmp_path / "missing.safetensors")
