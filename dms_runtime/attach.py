@@ -52,6 +52,9 @@ class DMSHandle:
     def _make_pre_hook(gate):
         def pre_hook(module, args, kwargs):
             state: LayerState = module.dms
+            # kvpress wraps every registered attention function and masks the keys listed here; a press
+            # used earlier on this model may have left some behind.
+            module.masked_key_indices = None
             if state.mode == "off":
                 return None
             hidden = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
@@ -97,8 +100,8 @@ class DMSHandle:
         """Training: each layer's straight-through eviction decisions ``[B, decisions, T]`` of the last forward."""
         return [module.dms.alpha for module in self.modules]
 
-    def new_cache(self) -> DMSCache:
-        return DMSCache(len(self.modules), self.config.window, self.config.threshold)
+    def new_cache(self, dense_prefill: bool = False) -> DMSCache:
+        return DMSCache(len(self.modules), self.config.window, self.config.threshold, dense_prefill)
 
     def detach(self) -> None:
         for hook in self._hooks:

@@ -82,7 +82,7 @@ def _base_mask(attention_mask: torch.Tensor | None, q_len: int, k_len: int, devi
     return attention_mask
 
 
-def dms_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+def dms_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
     state: LayerState | None = getattr(module, "dms", None)
     if state is None or state.mode == "off":
         return _sdpa(module, query, key, value, _base_mask(attention_mask, query.shape[2], key.shape[2], query.device), scaling)

@@ -8,6 +8,8 @@ the next token written to that head takes it. Capacity grows only when a head ha
 bytes allocated follow the tokens really held, not the tokens processed.
 
 With no gate logits (eviction switched off) every token is kept and attention is the vanilla model's.
+Prefill is sparse by default (as in training: a marked prompt token leaves later prompt queries' view);
+``dense_prefill=True`` lets the prompt attend to all of itself, as kvpress presses do.
 """
 
 from __future__ import annotations
@@ -24,10 +26,11 @@ class DMSLayer(CacheLayerMixin):
     is_sliding = False
     is_compileable = False
 
-    def __init__(self, window: int, threshold: float = 0.0):
+    def __init__(self, window: int, threshold: float = 0.0, dense_prefill: bool = False):
         super().__init__()
         self.window = window
         self.threshold = threshold
+        self.dense_prefill = dense_prefill
         self.pending_logits: torch.Tensor | None = None
         self.peak_slots_held = 0
 
@@ -91,18 +94,22 @@ class DMSLayer(CacheLayerMixin):
         """``[B, H, q, slots]``: which slot each new query may attend to; frees slots no future query can see."""
         query = self.query_pos[:, None, :, None]
         pos = self.pos[:, :, None, :]
-        visible = (pos >= 0) & (pos <= query) & ~(self.evict[:, :, None, :] & (query - pos > self.window))
+        expired = self.evict[:, :, None, :] & (query - pos > self.window)
+        prefill = int(self.length.max()) == query.shape[2]
+        visible = (pos >= 0) & (pos <= query)
         if attention_mask is not None:
             mask = attention_mask if attention_mask.dtype == torch.bool else attention_mask > -1e4
             batch, heads, q_len, slots = visible.shape
             mask = mask.expand(batch, heads, q_len, mask.shape[-1])
             columns = self.pos.clamp(min=0)[:, :, None, :].expand(-1, -1, q_len, -1)
             visible &= mask.gather(3, columns.clamp(max=mask.shape[-1] - 1))
-            if int(self.length.max()) == q_len:  # prefill: count the left padding once
+            if prefill:  # count the left padding once
                 self.padding = (~mask[:, 0, -1, :]).sum(-1)
         # Visibility only shrinks for later queries: what the newest query cannot see is gone for good.
-        self.pos.masked_fill_(~visible[:, :, -1, :] & (self.pos >= 0), -1)
-        return visible
+        self.pos.masked_fill_(~(visible & ~expired)[:, :, -1, :] & (self.pos >= 0), -1)
+        if self.dense_prefill and prefill:
+            return visible  # the prompt attends densely; evictions apply from the first generated token on
+        return visible & ~expired
 
     # -- Cache API plumbing --------------------------------------------------------------------------
     def get_seq_length(self) -> int:
@@ -139,13 +146,13 @@ class DMSLayer(CacheLayerMixin):
 class DMSCache(Cache):
     """The transformers Cache for DMS inference; pass it as ``past_key_values`` to ``generate`` or ``forward``."""
 
-    def __init__(self, num_layers: int, window: int = 16, threshold: float = 0.0):
-        super().__init__(layers=[DMSLayer(window, threshold) for _ in range(num_layers)])
+    def __init__(self, num_layers: int, window: int = 16, threshold: float = 0.0, dense_prefill: bool = False):
+        super().__init__(layers=[DMSLayer(window, threshold, dense_prefill) for _ in range(num_layers)])
         self.window = window
 
     @classmethod
-    def for_model(cls, model, window: int = 16, threshold: float = 0.0) -> "DMSCache":
-        return cls(model.config.num_hidden_layers, window, threshold)
+    def for_model(cls, model, window: int = 16, threshold: float = 0.0, dense_prefill: bool = False) -> "DMSCache":
+        return cls(model.config.num_hidden_layers, window, threshold, dense_prefill)
 
     def set_gate_logits(self, layer_idx: int, logits: torch.Tensor) -> None:
         self.layers[layer_idx].pending_logits = logits

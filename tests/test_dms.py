@@ -155,3 +155,27 @@ def test_adapter_round_trip_and_wrong_base_is_refused(tmp_path):
         load_adapter(other, path)
     with pytest.raises(AdapterError, match="no DMS adapter"):
         load_adapter(model, tmp_path / "missing.safetensors")
+
+
+@pytest.mark.parametrize("kind", MODELS)
+def test_kvpress_press_matches_the_dms_cache(kind, tmp_path):
+    from dms_runtime.press import DMSGatePress
+
+    model = tiny(kind, seed=3)
+    config = DMSConfig(window=4)
+    gates = build_gates(model, config)
+    torch.manual_seed(4)
+    for gate in gates:
+        gate.weight.data.normal_(0, 0.003)
+        object.__setattr__(gate.config, "init_offset", 0.0)
+    path = save_adapter(tmp_path / "dms-2x.safetensors", gates, config, model, 2.0)
+    ids = torch.randint(3, VOCAB, (1, 12))
+    press = DMSGatePress.from_adapter(model, path)
+    with press(model):
+        pressed = model.generate(input_ids=ids, max_new_tokens=40, do_sample=False)
+    assert press.compression_ratio > 0.2  # the press really masked keys
+    handle = load_adapter(model, path)
+    cache = handle.new_cache(dense_prefill=True)
+    ours = model.generate(input_ids=ids, max_new_tokens=40, do_sample=False, past_key_values=cache)
+    handle.detach()
+    assert torch.equal(pressed, ours)
