@@ -11,7 +11,7 @@ from dms_runtime.config import DMSConfig
 from dms_runtime.gates import build_gates
 from dms_runtime.retrofit import RetrofitConfig, target_ratio
 
-VOCAB = 40
+VOCAB = 51  # the chain tokenizer's size, so tiny models can decode real prompts
 
 
 def tiny(kind: str, seed: int = 0):
@@ -179,3 +179,20 @@ def test_kvpress_press_matches_the_dms_cache(kind, tmp_path):
     ours = model.generate(input_ids=ids, max_new_tokens=40, do_sample=False, past_key_values=cache)
     handle.detach()
     assert torch.equal(pressed, ours)
+
+
+@pytest.mark.parametrize("method", ["window", "streaming", "tova", "h2o", "knorm", "snapkv"])
+def test_baselines_hold_the_cache_to_their_ratio(method):
+    from dms_runtime.baselines import HeldRatioPress
+    from dms_runtime.tokenizer import build_tokenizer
+    from workers.batch_generate import KVPolicy, SamplingParams, generate_group
+
+    model = tiny("qwen3")
+    press = HeldRatioPress(method=method, compression=4.0, interval=4)
+    prompt = "a=1;b=2;c=a+b;d=c*c;?d"  # 23 tokens with <bos>
+    outputs, peak = generate_group(model, build_tokenizer(), [prompt], [(0, 0), (0, 1)],
+                                   SamplingParams(temperature=1.0, max_new_tokens=64), kv=KVPolicy(press=press))
+    ratios = [o.realized_cr for o in outputs if o.tokens > 40]
+    assert ratios and all(3.0 <= r <= 4.2 for r in ratios), ratios
+    per_token = 2 * 2 * 2 * 16 * 4  # layers x K/V x heads x head_dim x fp32
+    assert peak <= 2 * (23 + 64) * per_token
