@@ -67,6 +67,12 @@ def build_parser() -> argparse.ArgumentParser:
     add_sampling(evaluate)
     add_model(evaluate)
     evaluate.add_argument("--batch-size", type=bounded(int, 1, 4096), default=settings.generation.batch_size)
+    evaluate.add_argument("--cr", type=bounded(float, 1, 64), nargs="+", default=None,
+                          help="DMS compression ratio(s): the adapter dms-<CR>x beside the model; 1 = vanilla")
+    evaluate.add_argument("--press", nargs="+", default=None, metavar="NAME",
+                          help="training-free baseline(s): window streaming tova h2o knorm snapkv")
+    evaluate.add_argument("--compression", type=bounded(float, 1, 64), default=None,
+                          help="the ratio every --press is held to")
     evaluate.add_argument("--json", action="store_true", help="print one JSON summary object")
     evaluate.add_argument("--plot", type=Path, default=None, help="draw accuracy by k to this PNG")
     evaluate.add_argument("--output", type=Path, default=None, help="write per-problem results (JSONL)")
@@ -84,13 +90,25 @@ def build_parser() -> argparse.ArgumentParser:
     train = commands.add_parser("train", help="train the base model from a config (resumable)")
     train.add_argument("--config", type=Path, default=Path("configs/train_base.yaml"))
     train.add_argument("--steps", type=bounded(int, 1), default=None, help="stop after this many steps")
+    retrofit = commands.add_parser("retrofit", help="train DMS adapters for a model (resumable)")
+    retrofit.add_argument("--config", type=Path, default=Path("configs/retrofit_chain.yaml"))
+    retrofit.add_argument("--model", type=Path, default=None, help="base model directory (overrides the config)")
+    retrofit.add_argument("--output", type=Path, default=None, help="where adapters go (default: beside the model)")
+    retrofit.add_argument("--stages", type=bounded(float, 1.01, 64), nargs="+", default=None,
+                          help="compression ratios to snapshot, e.g. 2 4 8")
+    retrofit.add_argument("--window", type=bounded(int, 0, 1_000_000), default=None)
+    retrofit.add_argument("--parametrization", choices=["adapter", "query_neuron"], default=None)
+    retrofit.add_argument("--per-layer", action="store_true", help="one decision per layer instead of per KV head")
+    retrofit.add_argument("--full-finetune", action="store_true", help="train all weights, not only the gates")
+    retrofit.add_argument("--steps", type=bounded(int, 1), default=None, help="stop after this many steps")
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    handler = {"solve": cmd_solve, "eval": cmd_eval, "info": cmd_info, "generate": cmd_generate, "train": cmd_train}
+    handler = {"solve": cmd_solve, "eval": cmd_eval, "info": cmd_info, "generate": cmd_generate, "train": cmd_train,
+               "retrofit": cmd_retrofit}
     return handler[args.command](args, parser)
 
 
@@ -142,15 +160,38 @@ def cmd_solve(args, parser) -> int:
     return 0
 
 
+def eval_methods(args, parser, model_dir) -> list:
+    """The KV methods an eval run compares, checked before any work starts."""
+    from dms_runtime.adapters import AdapterError
+    from workers.kv_methods import KVMethod, check_available
+
+    if (args.press is None) != (args.compression is None):
+        parser.error("argument --press: --press and --compression go together (--press NAME --compression X)")
+    methods = [KVMethod.dms(cr) for cr in (args.cr or ([] if args.press else [1.0]))]
+    try:
+        methods += [KVMethod.baseline(name, args.compression) for name in args.press or []]
+        for method in methods:
+            check_available(method, model_dir)
+    except ValueError as error:
+        option = "--press" if "press" in str(error) else "--cr"
+        parser.error(f"argument {option}: {error}")
+    return methods
+
+
 def cmd_eval(args, parser) -> int:
     from orchestrator.evaluate import EvalOptions, evaluate
-    from orchestrator.plots import plot_accuracy_by_k
+    from orchestrator.plots import plot_accuracy_by_k, plot_pareto
     from tasks.jsonl import ProblemFileError, read_problems, write_jsonl
+    from workers.kv_methods import kv_policy
 
     try:
         problems = read_problems(args.problems, args.limit)
     except ProblemFileError as error:
         parser.error(f"argument --problems: {error}")
+    from dms_runtime.loading import default_model_path
+
+    model_dir = args.model or default_model_path()
+    methods = eval_methods(args, parser, model_dir)
     model, tokenizer, name = _load(args, parser)
     options = EvalOptions(
         samples=args.samples,
@@ -160,20 +201,28 @@ def cmd_eval(args, parser) -> int:
         max_new_tokens=args.max_new_tokens,
         batch_size=args.batch_size,
     )
-    report = evaluate(problems, model, tokenizer, options, name, progress=True)
-    records = report.pop("problems")
+    runs, records = [], []
+    for method in methods:
+        with kv_policy(method, model, model_dir) as kv:
+            report = evaluate(problems, model, tokenizer, options, name, progress=True, kv=kv, method=method.label)
+        records += [{"method": method.label, **r} for r in report.pop("problems")]
+        runs.append(report)
     if args.output:
         write_jsonl(args.output, records)
-    if args.plot:
+    if args.plot and len(runs) == 1:
         label = "greedy" if args.samples == 1 else f"vote@{args.samples}"
-        plot_accuracy_by_k({label: report}, args.plot, title=f"{args.problems.name}: accuracy by difficulty")
+        plot_accuracy_by_k({label: runs[0]}, args.plot, title=f"{args.problems.name}: accuracy by difficulty")
+    elif args.plot:
+        plot_pareto(runs, args.plot, title=f"{args.problems.name}: accuracy against KV compression")
     if args.json:
-        print(json.dumps(report))
+        print(json.dumps(runs[0] if len(runs) == 1 else {"runs": runs}))
     else:
-        print(f"n={report['n']} accuracy={report['accuracy']:.3f} tokens={report['tokens_generated']} "
-              f"tokens/s={report['tokens_per_s']:.0f} kv_peak_bytes={report['kv_peak_bytes']}")
-        for k, accuracy in report["accuracy_by_k"].items():
-            print(f"  k={k:>2}  {accuracy:.3f}  (n={report['n_by_k'][k]})")
+        for report in runs:
+            print(f"{report['method']}: n={report['n']} accuracy={report['accuracy']:.3f} "
+                  f"realized_cr={report['realized_cr']:.2f} tokens={report['tokens_generated']} "
+                  f"tokens/s={report['tokens_per_s']:.0f} kv_peak_bytes={report['kv_peak_bytes']}")
+            for k, accuracy in report["accuracy_by_k"].items():
+                print(f"  k={k:>2}  {accuracy:.3f}  (n={report['n_by_k'][k]})")
     return 0
 
 
@@ -223,6 +272,36 @@ def cmd_train(args, parser) -> int:
         parser.error(f"argument --config: {error}")
     path = train(config, steps=args.steps)
     print(f"checkpoint: {path}")
+    return 0
+
+
+def cmd_retrofit(args, parser) -> int:
+    from pydantic import ValidationError
+
+    from dms_runtime.retrofit import RetrofitConfig, retrofit
+
+    if not args.config.is_file():
+        parser.error(f"argument --config: file not found: {args.config}")
+    overrides = {
+        "model": str(args.model) if args.model else None,
+        "output": str(args.output) if args.output else None,
+        "stages": args.stages,
+        "window": args.window,
+        "parametrization": args.parametrization,
+        "per_head": False if args.per_layer else None,
+        "full_finetune": True if args.full_finetune else None,
+    }
+    try:
+        import yaml
+
+        data = yaml.safe_load(args.config.read_text()) or {}
+        config = RetrofitConfig.model_validate(data | {k: v for k, v in overrides.items() if v is not None})
+    except ValidationError as error:
+        parser.error(f"argument --config: {error}")
+    if not (Path(config.model) / "config.json").is_file():
+        parser.error(f"argument --model: no model at {config.model}")
+    for path in retrofit(config, steps=args.steps):
+        print(f"adapter: {path}")
     return 0
 
 

@@ -12,7 +12,7 @@ from dms_runtime.loading import kv_geometry
 from policies.extraction import answers_match
 from policies.voting import majority_vote
 from tasks.prompt import format_prompt
-from workers.batch_generate import SamplingParams, generate_threads
+from workers.batch_generate import KVPolicy, SamplingParams, generate_threads
 
 
 @dataclass(frozen=True)
@@ -25,8 +25,17 @@ class EvalOptions:
     batch_size: int = 64
 
 
-def evaluate(problems: list[dict], model, tokenizer, options: EvalOptions, model_name: str, progress: bool = True) -> dict:
-    """Score ``problems``; returns the report (summary fields and one record per problem)."""
+def evaluate(
+    problems: list[dict],
+    model,
+    tokenizer,
+    options: EvalOptions,
+    model_name: str,
+    progress: bool = True,
+    kv: KVPolicy | None = None,
+    method: str = "vanilla",
+) -> dict:
+    """Score ``problems`` with one KV method; returns the report (summary fields and one record per problem)."""
     sampling = SamplingParams(
         temperature=0.0 if options.samples == 1 else options.temperature,
         top_p=options.top_p,
@@ -34,7 +43,7 @@ def evaluate(problems: list[dict], model, tokenizer, options: EvalOptions, model
         seed=options.seed,
     )
     prompts = [format_prompt(p["prompt"]) for p in problems]
-    generation = generate_threads(model, tokenizer, prompts, options.samples, sampling, options.batch_size, progress)
+    generation = generate_threads(model, tokenizer, prompts, options.samples, sampling, options.batch_size, progress, kv)
     threads_by_problem: dict[int, list] = defaultdict(list)
     for thread in generation.threads:
         threads_by_problem[thread.problem_index].append(thread)
@@ -52,10 +61,13 @@ def evaluate(problems: list[dict], model, tokenizer, options: EvalOptions, model
                 "votes": vote.counts,
                 "thread_accuracy": sum(answers_match(t.answer, problem["answer"]) for t in threads) / len(threads),
                 "tokens": sum(t.tokens for t in threads),
+                "realized_cr": sum(t.realized_cr for t in threads) / len(threads),
             }
         )
     return {
+        "method": method,
         **summarize(records, generation.tokens_generated, generation.elapsed_s),
+        "realized_cr": generation.realized_cr,
         "kv_peak_bytes": generation.kv_peak_bytes,
         "samples_per_problem": options.samples,
         "config": {

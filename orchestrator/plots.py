@@ -26,3 +26,28 @@ def plot_accuracy_by_k(reports: dict[str, dict], path: str | Path, title: str = 
     figure.savefig(path, dpi=110)
     plt.close(figure)
     return Path(path)
+
+
+def plot_pareto(runs: list[dict], path: str | Path, title: str = "accuracy against KV compression") -> Path:
+    """Accuracy against realized compression, one marker per run, grouped by method family."""
+    figure, axes = plt.subplots(figsize=(7, 4.5))
+    families: dict[str, list[dict]] = {}
+    for run in runs:
+        families.setdefault(run["method"].split("-")[0], []).append(run)
+    for family, members in families.items():
+        members = sorted(members, key=lambda r: r["realized_cr"])
+        axes.plot([r["realized_cr"] for r in members], [100 * r["accuracy"] for r in members], marker="o", label=family)
+        for run in members:
+            axes.annotate(run["method"], (run["realized_cr"], 100 * run["accuracy"]), fontsize=7,
+                          textcoords="offset points", xytext=(3, 3))
+    axes.set_xscale("log", base=2)
+    axes.set_xlabel("realized compression (tokens processed / tokens held per head)")
+    axes.set_ylabel("accuracy (%)")
+    axes.set_ylim(0, 102)
+    axes.grid(alpha=0.3)
+    axes.set_title(title)
+    axes.legend()
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
+    return Path(path)
