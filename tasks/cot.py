@@ -7,13 +7,18 @@ exactly the structure a learned KV evictor can exploit and a recency window cann
 
 For ``a=7;b=42;c=a+b;d=c*a;?d`` the model writes::
 
-    a=07
-    b=42
-    c:a+b=07+42:7+2=09,0+4=04,4+0=04
-    c=49
-    d:c*a=49*07:9*7=63,4*7=28,9*0=00,6+8=14,4+0=04
-    d=43
+    a:07
+    b:42
+    c=a+b|a:07+b:42|7+2=09,0+4=04,4+0=04
+    c:49
+    d=c*a|c:49*a:07|9*7=63,4*7=28,9*0=00,6+8=14,4+0=04
+    d:43
     #43
+
+Both long-range reads are plain induction (find an earlier occurrence of a two-token key, copy what
+followed): a work line starts with ``c=``, which occurs earlier only in the prompt, followed by the
+assignment to copy; every value is written after ``<var>:``, and every ``a:`` in the text is followed by
+a's value, so any occurrence found gives the right digits.
 
 Each fact ``x?y=CD`` gives two characters: for ``+`` and ``*`` the two-digit result, for ``-`` the
 borrow and the digit. The first fact is on the units digits (its tens char is the carry/borrow);
@@ -53,7 +58,7 @@ def _facts(op: str, left: int, right: int) -> list[str]:
 def derived_line(a: Assignment, values: dict[str, int]) -> str:
     left, right = values[a.y], values[a.z]  # type: ignore[index]
     facts = ",".join(_facts(a.op, left, right))  # type: ignore[arg-type]
-    return f"{a.var}:{a.y}{a.op}{a.z}={left:02d}{a.op}{right:02d}:{facts}"
+    return f"{a.var}={a.y}{a.op}{a.z}|{a.y}:{left:02d}{a.op}{a.z}:{right:02d}|{facts}"
 
 
 def render_cot(problem: Problem) -> str:
@@ -63,6 +68,6 @@ def render_cot(problem: Problem) -> str:
     for a in problem.assignments:
         if not a.is_input:
             lines.append(derived_line(a, values))
-        lines.append(f"{a.var}={values[a.var]:02d}")
+        lines.append(f"{a.var}:{values[a.var]:02d}")
     lines.append(f"#{problem.answer}")
     return "\n".join(lines)

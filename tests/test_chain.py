@@ -44,8 +44,11 @@ def test_cot_facts_compute_every_register(seed, k):
     values = problem.values
     assert lines[-1] == f"#{problem.answer}"
     for index, line in enumerate(lines[:-1]):
-        if ":" in line:
-            facts = line.split(":")[2].split(",")
+        if "|" in line:
+            header, operands, work = line.split("|")
+            y, op, z = header[2], header[3], header[4]
+            assert operands == f"{y}:{values[y]:02d}{op}{z}:{values[z]:02d}"
+            facts = work.split(",")
             for fact in facts:
                 x, op, y, result = fact[0], fact[1], fact[2], fact[4:]
                 expected = int(x) + int(y) if op == "+" else int(x) * int(y) if op == "*" else None
