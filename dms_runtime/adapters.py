@@ -25,13 +25,20 @@ class AdapterError(ValueError):
     """An adapter that is missing, malformed, or made for another base model."""
 
 
+_RUNTIME_KEYS = {"dtype", "torch_dtype", "_name_or_path", "transformers_version", "use_cache", "_attn_implementation_autoset"}
+
+
 def model_fingerprint(model: nn.Module) -> str:
-    """A short hash of a model's architecture and weights (names, shapes, dtypes and sampled values)."""
-    digest = hashlib.sha256(json.dumps(model.config.to_diff_dict(), sort_keys=True, default=str).encode())
+    """A short hash of a model's architecture and weights: names, shapes and sampled values.
+
+    Values are compared at bf16 precision, so the same weights loaded in fp32 on a CPU or in bf16 on a GPU
+    have the same fingerprint, while any retraining changes it."""
+    config = {k: v for k, v in model.config.to_diff_dict().items() if k not in _RUNTIME_KEYS}
+    digest = hashlib.sha256(json.dumps(config, sort_keys=True, default=str).encode())
     for name, tensor in sorted(model.state_dict().items()):
         flat = tensor.detach().flatten()
-        sample = flat[:: max(1, flat.numel() // 256)][:256].float().cpu().numpy().round(6)
-        digest.update(f"{name}:{tuple(tensor.shape)}:{tensor.dtype}".encode())
+        sample = flat[:: max(1, flat.numel() // 256)][:256].to(torch.bfloat16).float().cpu().numpy()
+        digest.update(f"{name}:{tuple(tensor.shape)}".encode())
         digest.update(sample.tobytes())
     return digest.hexdigest()[:16]
 

@@ -19,12 +19,8 @@ from pydantic import BaseModel, ConfigDict, Field
 from tqdm import tqdm
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
+from dms_runtime.chain_data import IGNORE, difficulty_batch
 from dms_runtime.tokenizer import build_tokenizer
-from tasks.chain import generate_problem
-from tasks.cot import render_cot
-from tasks.prompt import format_prompt
-
-IGNORE = -100
 
 
 class ModelShape(BaseModel):
@@ -64,6 +60,7 @@ class TrainConfig(BaseModel):
     data: DataConfig = DataConfig()
     optim: OptimConfig = OptimConfig()
     checkpoint_every: int = Field(100, gt=0)
+    device: str = "auto"  # auto = cuda when available, else cpu
 
     @classmethod
     def from_yaml(cls, path: str | Path) -> "TrainConfig":
@@ -91,23 +88,9 @@ def build_model(shape: ModelShape, tokenizer) -> Qwen3ForCausalLM:
 
 def make_batch(config: TrainConfig, tokenizer, step: int) -> tuple[torch.Tensor, torch.Tensor, int]:
     """Step ``step``'s batch: problems of one difficulty (so little padding), prompt tokens masked."""
-    rng = random.Random(config.seed * 1_000_003 + step)
-    k = rng.randint(config.data.k_min, config.data.k_max)
-    sequences: list[tuple[list[int], int]] = []
-    tokens = 0
-    while tokens < config.optim.tokens_per_batch or not sequences:
-        problem = generate_problem(rng, k)
-        prompt = tokenizer(format_prompt(problem.text))["input_ids"]
-        completion = tokenizer(render_cot(problem), add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
-        sequences.append((prompt + completion, len(prompt)))
-        tokens += len(prompt) + len(completion)
-    width = max(len(ids) for ids, _ in sequences)
-    input_ids = torch.full((len(sequences), width), tokenizer.pad_token_id)
-    labels = torch.full((len(sequences), width), IGNORE)
-    for row, (ids, prompt_len) in enumerate(sequences):
-        input_ids[row, : len(ids)] = torch.tensor(ids)
-        labels[row, prompt_len : len(ids)] = torch.tensor(ids[prompt_len:])
-    return input_ids, labels, k
+    batch = difficulty_batch(tokenizer, random.Random(config.seed * 1_000_003 + step), config.data.k_min,
+                             config.data.k_max, config.optim.tokens_per_batch)
+    return batch.input_ids, batch.labels, batch.k
 
 
 def lr_at(step: int, optim: OptimConfig) -> float:
@@ -126,7 +109,8 @@ def train(config: TrainConfig, steps: int | None = None, quiet: bool = False) ->
     out.mkdir(parents=True, exist_ok=True)
     state_path = out / "train_state.pt"
     tokenizer = build_tokenizer()
-    model = build_model(config.model, tokenizer)
+    device = "cuda" if config.device == "auto" and torch.cuda.is_available() else ("cpu" if config.device == "auto" else config.device)
+    model = build_model(config.model, tokenizer).to(device)
     decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
     no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
     optimizer = torch.optim.AdamW(
@@ -136,7 +120,7 @@ def train(config: TrainConfig, steps: int | None = None, quiet: bool = False) ->
     )
     start = 0
     if state_path.exists():
-        state = torch.load(state_path, weights_only=False)
+        state = torch.load(state_path, weights_only=False, map_location=device)
         model.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
         start = state["step"]
@@ -146,6 +130,7 @@ def train(config: TrainConfig, steps: int | None = None, quiet: bool = False) ->
     seen, began = 0, time.perf_counter()
     for step in bar:
         input_ids, labels, k = make_batch(config, tokenizer, step)
+        input_ids, labels = input_ids.to(device), labels.to(device)
         for group in optimizer.param_groups:
             group["lr"] = lr_at(step, config.optim)
         # bf16 autocast: about 2.5x faster on CPUs with AVX512-BF16, weights and optimizer stay fp32.
@@ -170,7 +155,7 @@ def train(config: TrainConfig, steps: int | None = None, quiet: bool = False) ->
 
 
 def export(model: Qwen3ForCausalLM, tokenizer, out: Path) -> None:
-    model.eval()
+    model.cpu().eval()
     model.generation_config.pad_token_id = tokenizer.pad_token_id
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)

@@ -1,4 +1,4 @@
-"""Training sequences from the chain task: prompt + reference chain of thought + EOS, packed into rows."""
+"""Training batches from the chain task: prompt + reference chain of thought + EOS."""
 
 from __future__ import annotations
 
@@ -11,6 +11,8 @@ from tasks.chain import generate_problem
 from tasks.cot import render_cot
 from tasks.prompt import format_prompt
 
+IGNORE = -100
+
 
 def encode_example(tokenizer, problem) -> tuple[list[int], int]:
     """Token ids of one full example and the length of its prompt part."""
@@ -20,40 +22,41 @@ def encode_example(tokenizer, problem) -> tuple[list[int], int]:
 
 
 @dataclass
-class PackedBatch:
-    """Rows of concatenated examples. ``segments[r]`` lists (start, end, prompt_len) of each example in row r."""
+class Batch:
+    """Right-padded examples of one difficulty (similar lengths, so little padding)."""
 
-    input_ids: torch.Tensor  # [R, L]
-    position_ids: torch.Tensor  # [R, L], restarting at 0 for every example
-    loss_mask: torch.Tensor  # [R, L]: True where the *next* token is a completion token to predict
-    segments: list[list[tuple[int, int, int]]]
+    input_ids: torch.Tensor  # [n, L]
+    labels: torch.Tensor  # [n, L]: the token itself on completion positions, IGNORE elsewhere
+    lengths: torch.Tensor  # [n]: tokens per example
+    k: int
+
+    @property
+    def loss_mask(self) -> torch.Tensor:
+        """[n, L]: positions whose *next* token is a completion token (where predictions are scored)."""
+        mask = torch.zeros_like(self.labels, dtype=torch.bool)
+        mask[:, :-1] = self.labels[:, 1:] != IGNORE
+        return mask
 
 
-def packed_batch(tokenizer, rng: random.Random, k_min: int, k_max: int, rows: int, row_len: int) -> PackedBatch:
-    """``rows`` rows of at most ``row_len`` tokens, filled first-fit with problems of uniform random k.
+def difficulty_batch(tokenizer, rng: random.Random, k_min: int, k_max: int, tokens: int) -> Batch:
+    """About ``tokens`` tokens of problems with one random difficulty k in ``k_min..k_max``."""
+    k = rng.randint(k_min, k_max)
+    examples: list[tuple[list[int], int]] = []
+    total = 0
+    while total < tokens or not examples:
+        ids, prompt_len = encode_example(tokenizer, generate_problem(rng, k))
+        examples.append((ids, prompt_len))
+        total += len(ids)
+    width = max(len(ids) for ids, _ in examples)
+    input_ids = torch.full((len(examples), width), tokenizer.pad_token_id)
+    labels = torch.full((len(examples), width), IGNORE)
+    for row, (ids, prompt_len) in enumerate(examples):
+        input_ids[row, : len(ids)] = torch.tensor(ids)
+        labels[row, prompt_len : len(ids)] = torch.tensor(ids[prompt_len:])
+    return Batch(input_ids, labels, torch.tensor([len(ids) for ids, _ in examples]), k)
 
-    Mixing difficulties in every batch makes batch statistics (such as the mean compression ratio)
-    estimates of the same statistic over the whole difficulty range."""
-    input_ids = torch.full((rows, row_len), tokenizer.pad_token_id)
-    position_ids = torch.zeros((rows, row_len), dtype=torch.long)
-    loss_mask = torch.zeros((rows, row_len), dtype=torch.bool)
-    segments: list[list[tuple[int, int, int]]] = [[] for _ in range(rows)]
-    fill = [0] * rows
-    failures = 0
-    while failures < 8:
-        ids, prompt_len = encode_example(tokenizer, generate_problem(rng, rng.randint(k_min, k_max)))
-        if len(ids) > row_len:
-            raise ValueError(f"an example of {len(ids)} tokens does not fit rows of {row_len}")
-        row = next((r for r in range(rows) if fill[r] + len(ids) <= row_len), None)
-        if row is None:
-            failures += 1
-            continue
-        start, end = fill[row], fill[row] + len(ids)
-        input_ids[row, start:end] = torch.tensor(ids)
-        position_ids[row, start:end] = torch.arange(len(ids))
-        loss_mask[row, start + prompt_len - 1 : end - 1] = True
-        segments[row].append((start, end, prompt_len))
-        fill[row] = end
-    for row in range(rows):  # padding continues as one more "example" that is never scored
-        position_ids[row, fill[row] :] = torch.arange(row_len - fill[row])
-    return PackedBatch(input_ids, position_ids, loss_mask, segments)
+
+def sample_lengths(tokenizer, k_min: int, k_max: int, n: int = 2000, seed: int = 12345) -> list[int]:
+    """Lengths of ``n`` examples with k uniform in ``k_min..k_max`` (the population a ratio is averaged over)."""
+    rng = random.Random(seed)
+    return [len(encode_example(tokenizer, generate_problem(rng, rng.randint(k_min, k_max)))[0]) for _ in range(n)]

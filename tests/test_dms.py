@@ -196,3 +196,35 @@ def test_baselines_hold_the_cache_to_their_ratio(method):
     assert ratios and all(3.0 <= r <= 4.2 for r in ratios), ratios
     per_token = 2 * 2 * 2 * 16 * 4  # layers x K/V x heads x head_dim x fp32
     assert peak <= 2 * (23 + 64) * per_token
+
+
+def test_fingerprint_ignores_dtype_but_not_weights():
+    from dms_runtime.adapters import model_fingerprint
+
+    model = tiny("llama")
+    fingerprint = model_fingerprint(model)
+    assert model_fingerprint(tiny("llama").to(torch.bfloat16)) == fingerprint
+    changed = tiny("llama")
+    with torch.no_grad():
+        changed.model.layers[0].mlp.up_proj.weight[0, 0] += 1.0
+    assert model_fingerprint(changed) != fingerprint
+
+
+def test_retrofit_on_a_tiny_model_writes_resumable_snapshots(tmp_path):
+    from dms_runtime.retrofit import RetrofitConfig, eviction_target, held_tokens, retrofit
+    from dms_runtime.tokenizer import build_tokenizer
+
+    tokenizer = build_tokenizer()
+    model = tiny("qwen3")
+    model.save_pretrained(tmp_path / "base")
+    tokenizer.save_pretrained(tmp_path / "base")
+    config = RetrofitConfig(model=str(tmp_path / "base"), stages=[2, 4], ramp_steps=2, hold_steps=1,
+                            tokens_per_batch=300, k_max=4, window=4, checkpoint_every=1)
+    assert retrofit(config, steps=2, quiet=True) == []  # stopped before the first snapshot
+    written = retrofit(config, quiet=True)  # resumes at step 2
+    assert [p.name for p in written] == ["dms-2x.safetensors", "dms-4x.safetensors"]
+    assert read_adapter_metadata(written[1])["train_steps"] == 6
+    # The eviction target reproduces the named ratio on average over the lengths it was solved for.
+    lengths = [60, 200, 900]
+    fraction = eviction_target(4.0, 16, lengths)
+    assert sum(n / held_tokens(n, 16, fraction) for n in lengths) / 3 == pytest.approx(4.0, rel=1e-3)
