@@ -85,6 +85,8 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_argument("--n", type=bounded(int, 1, 1_000_000), required=True)
     generate.add_argument("--k", type=k_range, default=(1, 20), help="difficulty K or KMIN-KMAX (default 1-20)")
     generate.add_argument("--seed", type=int, default=0)
+    generate.add_argument("--reach", type=bounded(int, 0, 25), default=0,
+                          help="first operands come from at least this many assignments back (far-back reads)")
     generate.add_argument("--output", type=Path, required=True)
 
     train = commands.add_parser("train", help="train the base model from a config (resumable)")
@@ -253,7 +255,7 @@ def cmd_generate(args, parser) -> int:
     from tasks.chain import generate_suite
     from tasks.jsonl import write_jsonl
 
-    records = generate_suite(args.n, *args.k, seed=args.seed)
+    records = generate_suite(args.n, *args.k, seed=args.seed, reach=args.reach)
     write_jsonl(args.output, records)
     print(f"wrote {len(records)} problems (k {args.k[0]}-{args.k[1]}, seed {args.seed}) to {args.output}")
     return 0

@@ -149,8 +149,11 @@ def _parse_statement(statement: str, index: int, earlier: list[Assignment]) -> A
     raise ProblemError(f"{where}: expected '<var>=<0-99>' or '<var>=<y><op><z>'")
 
 
-def generate_problem(rng: random.Random, k: int, m: int | None = None) -> Problem:
-    """A uniformly random problem with ``k`` derived assignments (operands drawn from all earlier variables)."""
+def generate_problem(rng: random.Random, k: int, m: int | None = None, reach: int = 0) -> Problem:
+    """A random problem with ``k`` derived assignments, operands drawn uniformly from all earlier variables.
+
+    With ``reach > 0`` the first operand of every derived assignment is drawn from the variables at least
+    ``reach`` assignments back (the earliest ones when there are fewer): values needed far later."""
     if m is None:
         m = rng.randint(MIN_INPUTS, min(MAX_INPUTS, MAX_VARIABLES - k))
     if k < 1 or not MIN_INPUTS <= m <= MAX_INPUTS or m + k > MAX_VARIABLES:
@@ -158,12 +161,13 @@ def generate_problem(rng: random.Random, k: int, m: int | None = None) -> Proble
     names = string.ascii_lowercase
     assignments = [Assignment(var=names[i], value=rng.randint(0, 99)) for i in range(m)]
     for i in range(m, m + k):
-        y, z = names[rng.randrange(i)], names[rng.randrange(i)]
+        y = names[rng.randrange(max(1, i - reach + 1))] if reach > 0 else names[rng.randrange(i)]
+        z = names[rng.randrange(i)]
         assignments.append(Assignment(var=names[i], y=y, op=rng.choice(OPERATORS), z=z))
     return Problem(tuple(assignments))
 
 
-def generate_suite(n: int, k_min: int, k_max: int, seed: int) -> list[dict]:
+def generate_suite(n: int, k_min: int, k_max: int, seed: int, reach: int = 0) -> list[dict]:
     """``n`` problems with k spread evenly over ``k_min..k_max``, as JSONL-ready records."""
     if not 1 <= k_min <= k_max <= MAX_VARIABLES - MIN_INPUTS:
         raise ProblemError(f"k range {k_min}..{k_max} must lie within 1..{MAX_VARIABLES - MIN_INPUTS}")
@@ -171,6 +175,7 @@ def generate_suite(n: int, k_min: int, k_max: int, seed: int) -> list[dict]:
     records = []
     for i in range(n):
         k = k_min + i % (k_max - k_min + 1)
-        problem = generate_problem(rng, k)
-        records.append({"id": f"chain-{seed}-{i:05d}", "prompt": problem.text, "answer": problem.answer, "k": k})
+        problem = generate_problem(rng, k, reach=reach)
+        record = {"id": f"chain-{seed}-{i:05d}", "prompt": problem.text, "answer": problem.answer, "k": k}
+        records.append(record | ({"reach": reach} if reach else {}))
     return records

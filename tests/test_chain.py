@@ -92,3 +92,13 @@ def test_suite_is_seeded_and_spans_the_difficulty_range():
     assert first == again and first != generate_suite(40, 1, 20, seed=6)
     assert sorted({r["k"] for r in first}) == list(range(1, 21))
     assert all(parse_problem(r["prompt"]).k == r["k"] and solve(r["prompt"]) == r["answer"] for r in first)
+
+
+def test_reach_draws_first_operands_from_far_back():
+    rng = random.Random(3)
+    for _ in range(200):
+        problem = generate_problem(rng, 18, reach=8)
+        for index, a in enumerate(problem.assignments):
+            if not a.is_input:
+                distance = index - (ord(a.y) - ord("a"))
+                assert distance >= min(8, index)
