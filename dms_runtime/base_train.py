@@ -8,6 +8,7 @@ share of sequences whose every completion token is the argmax: a close proxy of 
 
 from __future__ import annotations
 
+import copy
 import math
 import random
 import time
@@ -60,6 +61,10 @@ class TrainConfig(BaseModel):
     data: DataConfig = DataConfig()
     optim: OptimConfig = OptimConfig()
     checkpoint_every: int = Field(100, gt=0)
+    # Stop the schedule early and export at this step: the shipped model is the step whose accuracy
+    # profile fits (see README), not necessarily the end of the cosine schedule.
+    export_at_step: int | None = Field(None, gt=0)
+    snapshot_every: int | None = Field(None, gt=0)  # keep a copy of the train state every N steps
     device: str = "auto"  # auto = cuda when available, else cpu
 
     @classmethod
@@ -124,7 +129,8 @@ def train(config: TrainConfig, steps: int | None = None, quiet: bool = False) ->
         model.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
         start = state["step"]
-    end = min(config.optim.steps, start + steps) if steps is not None else config.optim.steps
+    final = min(config.optim.steps, config.export_at_step or config.optim.steps)
+    end = min(final, start + steps) if steps is not None else final
     model.train()
     bar = tqdm(range(start, end), initial=start, total=config.optim.steps, desc="train", disable=quiet)
     seen, began = 0, time.perf_counter()
@@ -149,13 +155,16 @@ def train(config: TrainConfig, steps: int | None = None, quiet: bool = False) ->
         bar.set_postfix(loss=f"{loss.item():.4f}", k=k, exact=f"{exact:.2f}", tok_s=f"{seen / (time.perf_counter() - began):.0f}")
         if (step + 1) % config.checkpoint_every == 0 or step + 1 == end:
             torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(), "step": step + 1}, state_path)
-    if end == config.optim.steps:
+        if config.snapshot_every and (step + 1) % config.snapshot_every == 0:
+            torch.save({"model": model.state_dict(), "step": step + 1}, out / f"snapshot-{step + 1}.pt")
+    if end == final:
         export(model, tokenizer, out)
     return out
 
 
 def export(model: Qwen3ForCausalLM, tokenizer, out: Path) -> None:
-    model.cpu().eval()
+    """Save weights in float16 (half the bytes; thinkpool loads them back as float32) and the tokenizer."""
+    model = copy.deepcopy(model).cpu().eval().to(torch.float16)
     model.generation_config.pad_token_id = tokenizer.pad_token_id
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
