@@ -11,14 +11,16 @@ import string
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors
 from transformers import PreTrainedTokenizerFast
 
-PAD, BOS, EOS, UNK = "<pad>", "<bos>", "<eos>", "<unk>"
-SPECIAL_TOKENS = [PAD, BOS, EOS, UNK]
-CHARACTERS = list(string.digits + string.ascii_lowercase + "=;?+-*:,#\n ")
+PAD, BOS, EOS = "<pad>", "<bos>", "<eos>"
+SPECIAL_TOKENS = [PAD, BOS, EOS]
+# "|" (the chain of thought's section separator) has id 3. Problem texts are validated before they are
+# tokenized, so there is no unknown-token id: a character outside the vocabulary is an error.
+CHARACTERS = ["|"] + list(string.digits + string.ascii_lowercase + "=;?+-*:,#\n ")
 
 
 def build_tokenizer() -> PreTrainedTokenizerFast:
     vocab = {token: index for index, token in enumerate(SPECIAL_TOKENS + CHARACTERS)}
-    core = Tokenizer(models.WordLevel(vocab=vocab, unk_token=UNK))
+    core = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
     core.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
     core.decoder = decoders.Fuse()
     # Every sequence starts with <bos>: a fixed first token that attention can rest on (a sink).
@@ -28,7 +30,6 @@ def build_tokenizer() -> PreTrainedTokenizerFast:
         bos_token=BOS,
         eos_token=EOS,
         pad_token=PAD,
-        unk_token=UNK,
         padding_side="left",
         clean_up_tokenization_spaces=False,
         model_max_length=4096,
