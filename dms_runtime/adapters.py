@@ -81,8 +81,8 @@ def read_adapter_metadata(path: str | Path) -> dict:
     return {k: _loads(v) for k, v in metadata.items()}
 
 
-def load_adapter(model: nn.Module, path: str | Path, threshold: float | None = None, check_base: bool = True) -> DMSHandle:
-    """Attach the gates saved at ``path`` to ``model``; refuses an adapter made for another base model."""
+def load_gates(model: nn.Module, path: str | Path, threshold: float | None = None, check_base: bool = True) -> tuple[nn.ModuleList, DMSConfig]:
+    """The gates saved at ``path`` (not attached) and their settings; refuses an adapter made for another base model."""
     metadata = read_adapter_metadata(path)
     if check_base:
         fingerprint = model_fingerprint(model)
@@ -98,4 +98,10 @@ def load_adapter(model: nn.Module, path: str | Path, threshold: float | None = N
     gates = build_gates(model, config)
     gates.load_state_dict(load_file(str(path)))
     gates.to(next(model.parameters()).device)
+    return gates, config
+
+
+def load_adapter(model: nn.Module, path: str | Path, threshold: float | None = None, check_base: bool = True) -> DMSHandle:
+    """Attach the gates saved at ``path`` to ``model`` (see :func:`load_gates`)."""
+    gates, config = load_gates(model, path, threshold, check_base)
     return attach_dms(model, gates, config)

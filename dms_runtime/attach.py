@@ -34,6 +34,8 @@ class DMSHandle:
     def __init__(self, model: nn.Module, gates: nn.ModuleList, config: DMSConfig):
         self.model, self.gates, self.config = model, gates, config
         self.modules = attention_modules(model)
+        if any(hasattr(module, "dms") for module in self.modules):
+            raise RuntimeError("this model already has DMS gates attached: detach them first")
         if len(self.modules) != len(gates):
             raise ValueError(f"{len(gates)} gates for a model with {len(self.modules)} layers")
         parameter = next(model.parameters())
@@ -61,7 +63,7 @@ class DMSHandle:
             state.logits = gate(hidden)
             if state.mode == "infer":
                 cache = kwargs.get("past_key_values")
-                if not isinstance(cache, DMSCache):
+                if not hasattr(cache, "set_gate_logits"):  # DMSCache, or the engine's PagedDMSCache
                     raise TypeError("DMS inference needs past_key_values=DMSCache(...) (see DMSCache.for_model)")
                 cache.set_gate_logits(module.layer_idx, state.logits)
                 state.cache = cache

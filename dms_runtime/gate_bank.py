@@ -1,0 +1,88 @@
+"""Several DMS adapters on one model at once, chosen per batch row: mixed compression ratios in one batch.
+
+A :class:`GateBank` stands in for one layer's :class:`~dms_runtime.gates.EvictionGate`: it stacks that
+layer's gate of every loaded adapter and, for each row, applies the adapter the row's thread asked for.
+Row adapter ``-1`` has no gate: its logits never cross the threshold, so the row keeps every token (the
+vanilla model, compression 1). Only the ``adapter`` parametrization can be mixed this way: a repurposed
+query neuron changes the model's own projection for every row.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from dms_runtime.attach import DMSHandle, attach_dms
+from dms_runtime.config import DMSConfig
+from dms_runtime.gates import EvictionGate
+
+NO_GATE = -1
+NEVER = -1e9
+
+
+class GateBank(nn.Module):
+    def __init__(self, gates: list[EvictionGate], configs: list[DMSConfig], hidden_size: int, num_kv_heads: int):
+        super().__init__()
+        weights, norms = [], []
+        for gate, config in zip(gates, configs):
+            if config.parametrization != "adapter":
+                raise ValueError("only adapter-parametrized DMS gates can be mixed per row")
+            weights.append(gate.weight.detach().float().expand(num_kv_heads, -1))  # a per-layer decision serves every head
+            norms.append(gate.norm.weight.detach().float())
+        self.register_buffer("weight", torch.stack(weights) if weights else torch.zeros(0, num_kv_heads, hidden_size))
+        self.register_buffer("norm_weight", torch.stack(norms) if norms else torch.zeros(0, hidden_size))
+        self.register_buffer("scale", torch.tensor([c.logit_scale for c in configs], dtype=torch.float32))
+        self.register_buffer("offset", torch.tensor([c.init_offset - c.threshold for c in configs], dtype=torch.float32))
+        self.eps = 1e-6
+        self.num_kv_heads = num_kv_heads
+        self.query_channels: list[int] = []
+        self.row_adapter = torch.zeros(0, dtype=torch.long)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Logits ``[rows, q, kv_heads]`` (threshold folded in: evict where > 0)."""
+        rows, q_len, _ = hidden.shape
+        index = self.row_adapter.to(hidden.device)
+        if len(index) != rows:
+            raise ValueError(f"gate bank has adapters for {len(index)} rows, the batch has {rows}")
+        if not len(self.weight):
+            return hidden.new_full((rows, q_len, self.num_kv_heads), NEVER, dtype=torch.float32)
+        safe = index.clamp(min=0)
+        x = hidden.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.norm_weight[safe][:, None, :]
+        logits = torch.einsum("bqh,bdh->bqd", x, self.weight[safe])
+        logits = logits * self.scale[safe][:, None, None] + self.offset[safe][:, None, None]
+        return logits.masked_fill((index == NO_GATE)[:, None, None], NEVER)
+
+
+class AdapterSet:
+    """The adapters a worker serves, by compression ratio, attached to its model as gate banks."""
+
+    def __init__(self, model: nn.Module, adapters: dict[float, tuple[nn.ModuleList, DMSConfig]]):
+        self.ratios = sorted(adapters)
+        self.windows = {cr: adapters[cr][1].window for cr in self.ratios}
+        c = model.config
+        layers = c.num_hidden_layers
+        self.banks = nn.ModuleList(
+            GateBank([adapters[cr][0][layer] for cr in self.ratios], [adapters[cr][1] for cr in self.ratios], c.hidden_size, c.num_key_value_heads)
+            for layer in range(layers)
+        )
+        self.handle: DMSHandle = attach_dms(model, self.banks, DMSConfig())
+
+    def index(self, cr: float) -> int:
+        """The bank index of ratio ``cr`` (``NO_GATE`` for 1)."""
+        if cr == 1:
+            return NO_GATE
+        if cr not in self.windows:
+            raise ValueError(f"no DMS adapter for {cr:g}x on this worker; it has {', '.join(f'{r:g}x' for r in self.ratios) or 'none'}")
+        return self.ratios.index(cr)
+
+    def window(self, cr: float) -> int:
+        return 0 if cr == 1 else self.windows[cr]
+
+    def set_rows(self, row_ratios: list[float]) -> None:
+        index = torch.tensor([self.index(cr) for cr in row_ratios], dtype=torch.long)
+        for bank in self.banks:
+            bank.row_adapter = index
+
+    def detach(self) -> None:
+        self.handle.detach()

@@ -1,0 +1,75 @@
+"""A fixed KV pool: K and V storage preallocated once, handed out one slot at a time.
+
+A slot holds one token's key and value for one layer and one KV head: the unit DMS evicts, so a slot
+freed by eviction is reused by the next token of any thread, layer or head. Slots are reference-counted
+because the threads of one problem share their prompt's slots. The pool never grows: asking for more
+slots than are free raises :class:`PoolExhausted` (the engine's admission control and preemption exist
+so that this never happens), and ``high_water`` records the most slots ever in use at once.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class PoolExhausted(RuntimeError):
+    """More slots were requested than the pool has free."""
+
+
+class KVPool:
+    def __init__(self, budget_bytes: int, head_dim: int, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"):
+        self.head_dim = head_dim
+        self.slot_bytes = 2 * head_dim * torch.empty((), dtype=dtype).element_size()
+        self.capacity = int(budget_bytes) // self.slot_bytes
+        if self.capacity < 1:
+            raise ValueError(f"kv budget of {budget_bytes} bytes is smaller than one slot ({self.slot_bytes} bytes)")
+        self.keys = torch.zeros(self.capacity, head_dim, dtype=dtype, device=device)
+        self.values = torch.zeros(self.capacity, head_dim, dtype=dtype, device=device)
+        self.refs = torch.zeros(self.capacity, dtype=torch.int32, device=device)
+        self.used = 0
+        self.high_water = 0
+
+    @property
+    def budget_bytes(self) -> int:
+        return self.capacity * self.slot_bytes
+
+    @property
+    def free(self) -> int:
+        return self.capacity - self.used
+
+    @property
+    def used_bytes(self) -> int:
+        return self.used * self.slot_bytes
+
+    @property
+    def high_water_bytes(self) -> int:
+        return self.high_water * self.slot_bytes
+
+    def allocate(self, count: int) -> torch.Tensor:
+        """``count`` free slots (lowest indices first), each now referenced once."""
+        if count > self.free:
+            raise PoolExhausted(f"needed {count} KV slots, {self.free} of {self.capacity} free")
+        slots = torch.nonzero(self.refs == 0)[:count, 0]
+        self.refs[slots] = 1
+        self.used += count
+        self.high_water = max(self.high_water, self.used)
+        return slots
+
+    def retain(self, slots: torch.Tensor, times: int = 1) -> None:
+        """Add ``times`` references to each of ``slots`` (a shared prompt gets one per extra thread)."""
+        if slots.numel() and times:
+            self.refs.index_add_(0, slots, torch.full_like(slots, times, dtype=torch.int32))
+
+    def release(self, slots: torch.Tensor) -> None:
+        """Drop one reference per entry of ``slots``; a slot with none left is free at once."""
+        if not slots.numel():
+            return
+        self.refs.index_add_(0, slots, torch.full_like(slots, -1, dtype=torch.int32))
+        touched = slots.unique()
+        if bool((self.refs[touched] < 0).any()):
+            raise RuntimeError("KV slot released more often than it was referenced")
+        self.used -= int((self.refs[touched] == 0).sum())
+
+    def write(self, slots: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None:
+        self.keys[slots] = keys.to(self.keys.dtype)
+        self.values[slots] = values.to(self.values.dtype)

@@ -1,0 +1,188 @@
+"""The engine's KV cache: per-row slot tables over a shared :class:`~dms_runtime.kv_pool.KVPool`.
+
+Each row (a thread, or a prompt being prefilled) has, per layer and KV head, a table of the pool slots
+holding its tokens, their positions and their eviction marks: the DMS cache of
+:mod:`dms_runtime.cache`, with the K/V storage moved into the pool. So heads keep different numbers of
+tokens, an evicted token's slot goes back to the pool at once (it is released before the step's new
+tokens are allocated), and the threads of one problem reference the same prompt slots (reference counts
+in the pool). Rows join (:meth:`PagedDMSCache.extend`) and leave (:meth:`PagedDMSCache.remove_rows`)
+between steps: continuous batching. Rows whose gates never fire keep everything: the vanilla model.
+
+Attention reads the gathered ``[rows, heads, table, head_dim]`` view of the pool, a step's workspace, not
+cache memory: what the cache holds is the pool's slots in use.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from transformers.cache_utils import Cache, CacheLayerMixin
+
+from dms_runtime.kv_pool import KVPool
+
+GROWTH = 32  # table columns added when a row's head has no free entry (amortises reallocation)
+
+
+class PagedLayer(CacheLayerMixin):
+    is_sliding = False
+    is_compileable = False
+
+    def __init__(self, pool: KVPool, num_heads: int):
+        super().__init__()
+        self.pool = pool
+        device = pool.keys.device
+        self.table = torch.full((0, num_heads, 0), -1, dtype=torch.long, device=device)  # pool slot, -1 = empty
+        self.pos = torch.full((0, num_heads, 0), -1, dtype=torch.long, device=device)
+        self.evict = torch.zeros((0, num_heads, 0), dtype=torch.bool, device=device)
+        self.length = torch.zeros(0, dtype=torch.long, device=device)  # tokens processed per row
+        self.window = torch.zeros(0, dtype=torch.long, device=device)
+        self.pending_logits: torch.Tensor | None = None
+        self.is_initialized = True
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        pass
+
+    # -- rows ----------------------------------------------------------------------------------------
+    def add_rows(self, windows: torch.Tensor) -> None:
+        count, heads = len(windows), self.table.shape[1]
+        self.table = torch.cat([self.table, self.table.new_full((count, heads, self.table.shape[2]), -1)])
+        self.pos = torch.cat([self.pos, self.pos.new_full((count, heads, self.pos.shape[2]), -1)])
+        self.evict = torch.cat([self.evict, self.evict.new_zeros((count, heads, self.evict.shape[2]))])
+        self.length = torch.cat([self.length, self.length.new_zeros(count)])
+        self.window = torch.cat([self.window, windows.to(self.window)])
+
+    def extend(self, other: "PagedLayer", repeat: int) -> None:
+        """Append ``other``'s rows ``repeat`` times each; the copies share (and reference) its slots."""
+        width = max(self.table.shape[2], other.table.shape[2])
+        self.pool.retain(other.table[other.table >= 0], repeat - 1)
+        for name, fill in (("table", -1), ("pos", -1), ("evict", False)):
+            mine, theirs = _widen(getattr(self, name), width, fill), _widen(getattr(other, name), width, fill)
+            setattr(self, name, torch.cat([mine, theirs.repeat_interleave(repeat, dim=0)]))
+        self.length = torch.cat([self.length, other.length.repeat_interleave(repeat)])
+        self.window = torch.cat([self.window, other.window.repeat_interleave(repeat)])
+
+    def remove_rows(self, rows: list[int]) -> None:
+        """Release the slots of ``rows`` and drop them; the other rows keep their order."""
+        if not rows:
+            return
+        drop = torch.zeros(self.table.shape[0], dtype=torch.bool, device=self.table.device)
+        drop[rows] = True
+        gone = self.table[drop]
+        self.pool.release(gone[gone >= 0])
+        for name in ("table", "pos", "evict", "length", "window"):
+            setattr(self, name, getattr(self, name)[~drop])
+
+    # -- the forward pass ----------------------------------------------------------------------------
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, cache_kwargs: dict[str, Any] | None = None):
+        rows, heads, q_len, dim = key_states.shape
+        start = self.length
+        self._apply_marks(start, q_len)  # decides token start-1, which may expire before the new tokens arrive
+        self._release((self.table >= 0) & self.evict & (start[:, None, None] - self.pos > self.window[:, None, None]))
+        free = self.table < 0
+        shortfall = q_len - int(free.sum(-1).min()) if free.numel() else q_len
+        if shortfall > 0:
+            width = self.table.shape[2] + max(shortfall, GROWTH)
+            self.table, self.pos, self.evict = _widen(self.table, width, -1), _widen(self.pos, width, -1), _widen(self.evict, width, False)
+            free = self.table < 0
+        columns = self.table.shape[2]
+        order = torch.where(free, 0, columns) + torch.arange(columns, device=free.device)
+        target = order.topk(q_len, dim=-1, largest=False).indices  # [rows, heads, q]: the lowest free entries
+        slots = self.pool.allocate(rows * heads * q_len).view(rows, heads, q_len)
+        self.pool.write(slots.flatten(), key_states.reshape(-1, dim), value_states.reshape(-1, value_states.shape[-1]))
+        new_pos = start[:, None, None] + torch.arange(q_len, device=start.device)
+        self.table.scatter_(2, target, slots)
+        self.pos.scatter_(2, target, new_pos.expand(rows, heads, q_len))
+        self.evict.scatter_(2, target, False)
+        self._apply_marks(start, q_len)  # decides the new tokens but the last
+        self.pending_logits = None
+        self.query_pos = new_pos[:, 0, :]
+        self.length = start + q_len
+        index = self.table.clamp(min=0)
+        return self.pool.keys[index], self.pool.values[index]
+
+    def _apply_marks(self, start: torch.Tensor, q_len: int) -> None:
+        """The logit at position t marks token t-1: this pass's logits decide tokens start-1 .. start+q-2."""
+        if self.pending_logits is None:
+            return
+        marks = (self.pending_logits > 0).transpose(1, 2).expand(-1, self.table.shape[1], -1)  # [rows, heads, q]
+        relative = self.pos - (start - 1)[:, None, None]
+        in_range = (self.table >= 0) & (relative >= 0) & (relative < q_len)
+        self.evict |= in_range & marks.gather(2, relative.clamp(0, q_len - 1))
+
+    def visibility(self) -> torch.Tensor:
+        """``[rows, heads, q, table]``: which entries each new query sees; releases what none will see again."""
+        query = self.query_pos[:, None, :, None]
+        pos = self.pos[:, :, None, :]
+        occupied = (self.table >= 0)[:, :, None, :]
+        expired = self.evict[:, :, None, :] & (query - pos > self.window[:, None, None, None])
+        visible = occupied & (pos <= query) & ~expired
+        self._release(occupied[:, :, 0] & expired[:, :, -1])
+        return visible
+
+    def _release(self, entries: torch.Tensor) -> None:
+        if bool(entries.any()):
+            self.pool.release(self.table[entries])
+            self.table[entries] = -1
+
+    # -- Cache API plumbing --------------------------------------------------------------------------
+    def get_seq_length(self) -> int:
+        return int(self.length.max()) if self.length.numel() else 0
+
+    def get_mask_sizes(self, cache_position: torch.Tensor) -> tuple[int, int]:
+        return self.get_seq_length() + cache_position.shape[0], 0
+
+    def get_max_cache_shape(self) -> int:
+        return -1
+
+
+def _widen(tensor: torch.Tensor, width: int, fill) -> torch.Tensor:
+    if tensor.shape[2] >= width:
+        return tensor
+    pad = tensor.new_full((tensor.shape[0], tensor.shape[1], width - tensor.shape[2]), fill)
+    return torch.cat([tensor, pad], dim=2)
+
+
+class PagedDMSCache(Cache):
+    """Rows of slot tables over one pool; pass as ``past_key_values`` with the engine's gate bank attached."""
+
+    def __init__(self, pool: KVPool, num_layers: int, num_kv_heads: int):
+        super().__init__(layers=[PagedLayer(pool, num_kv_heads) for _ in range(num_layers)])
+        self.pool = pool
+
+    @property
+    def rows(self) -> int:
+        return self.layers[0].table.shape[0]
+
+    def add_rows(self, windows: list[int]) -> None:
+        """Empty rows (to prefill into); ``windows`` is each row's DMS window."""
+        tensor = torch.tensor(windows, dtype=torch.long)
+        for layer in self.layers:
+            layer.add_rows(tensor)
+
+    def extend(self, other: "PagedDMSCache", repeat: int = 1) -> None:
+        """Take over ``other``'s rows, each repeated ``repeat`` times (``other`` must not be used afterwards)."""
+        for mine, theirs in zip(self.layers, other.layers):
+            mine.extend(theirs, repeat)
+
+    def remove_rows(self, rows: list[int]) -> None:
+        for layer in self.layers:
+            layer.remove_rows(rows)
+
+    def set_gate_logits(self, layer_idx: int, logits: torch.Tensor) -> None:
+        self.layers[layer_idx].pending_logits = logits
+
+    def visibility(self, layer_idx: int, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+        return self.layers[layer_idx].visibility()
+
+    def lengths(self) -> torch.Tensor:
+        return self.layers[0].length
+
+    def held_slots(self) -> torch.Tensor:
+        """Per row: table entries in use summed over layers and heads (shared prompt slots count per row)."""
+        return sum((layer.table >= 0).sum(dim=(1, 2)) for layer in self.layers)
+
+    def realized_compression(self) -> torch.Tensor:
+        """Per row: tokens processed / tokens held, averaged over every layer's KV heads."""
+        ratios = [layer.length[:, None].clamp(min=1).float() / (layer.table >= 0).sum(-1).clamp(min=1).float() for layer in self.layers]
+        return torch.cat(ratios, dim=1).mean(dim=1)

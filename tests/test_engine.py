@@ -1,0 +1,180 @@
+"""The engine on tiny random models: equivalence with Hugging Face and with the DMS cache, mixed ratios in
+one batch, seeds, a pool that is never overrun, preemption and resume, cancel, budget errors."""
+
+import pytest
+import torch
+
+from dms_runtime.config import DMSConfig
+from dms_runtime.gate_bank import AdapterSet
+from dms_runtime.gates import build_gates
+from dms_runtime.attach import attach_dms
+from dms_runtime.tokenizer import build_tokenizer
+from workers.engine import BudgetError, Engine
+from workers.thread import SamplingParams
+
+from tests.test_dms import tiny
+
+PROMPTS = ["a=1;b=2;c=a+b;?c\n", "a=17;b=3;c=b*a;d=c-b;?d\n", "a=9;?a\n"]
+GREEDY = SamplingParams(max_new_tokens=40)
+NO_STOP = 10**6  # tiny random models never say EOS by design; make sure "#" does not stop them either
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return build_tokenizer()
+
+
+def random_gates(model, window: int, seed: int, per_head: bool = True):
+    config = DMSConfig(window=window, per_head=per_head)
+    gates = build_gates(model, config)
+    torch.manual_seed(seed)
+    for gate in gates:
+        gate.weight.data.normal_(0, 0.003)  # mixed keep/evict decisions
+        object.__setattr__(gate.config, "init_offset", 0.0)
+    return gates, config
+
+
+def hf_greedy(model, tokenizer, prompt: str, **kwargs) -> str:
+    """Hugging Face's greedy continuation, 40 tokens, EOS treated as any other token (as the engine's tests do)."""
+    model.generation_config.eos_token_id = None
+    ids = tokenizer(prompt, return_tensors="pt")["input_ids"]
+    out = model.generate(input_ids=ids, max_new_tokens=40, do_sample=False, pad_token_id=0, **kwargs)
+    return tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
+
+
+def engine_for(model, tokenizer, adapters=None, budget=2_000_000, max_running=64):
+    engine = Engine(model, tokenizer, AdapterSet(model, adapters or {}), kv_budget_bytes=budget, max_running=max_running)
+    engine.stop = type(engine.stop)(eos=NO_STOP)
+    return engine
+
+
+def texts(results):
+    return {(r.problem_id, r.sample_index): r.text for r in results}
+
+
+@pytest.mark.parametrize("kind", ["qwen3", "llama"])
+def test_cr1_greedy_matches_hugging_face_generate(kind, tokenizer):
+    model = tiny(kind)
+    expected = {(str(i), 0): hf_greedy(model, tokenizer, prompt) for i, prompt in enumerate(PROMPTS)}
+    engine = engine_for(model, tokenizer)
+    engine.submit("0", PROMPTS[0], [0], GREEDY)
+    engine.step(), engine.step()  # the others join a batch that is already running
+    engine.submit("1", PROMPTS[1], [0], GREEDY)
+    engine.step()
+    engine.submit("2", PROMPTS[2], [0], GREEDY)
+    assert texts(engine.run()) == expected
+
+
+@pytest.mark.parametrize("kind", ["qwen3", "llama"])
+@pytest.mark.parametrize("per_head", [True, False])
+def test_dms_rows_match_the_dms_cache_and_ratios_mix_in_one_batch(kind, per_head, tokenizer):
+    model = tiny(kind, seed=1)
+    adapters = {2: random_gates(model, window=3, seed=2, per_head=per_head), 4: random_gates(model, window=5, seed=3, per_head=per_head)}
+    expected = {}
+    for cr, (gates, config) in adapters.items():
+        handle = attach_dms(model, gates, config)
+        for i, prompt in enumerate(PROMPTS):
+            expected[(f"{i}@{cr}", 0)] = hf_greedy(model, tokenizer, prompt, past_key_values=handle.new_cache())
+        handle.detach()
+    engine = engine_for(model, tokenizer, adapters)
+    for cr in adapters:
+        for i, prompt in enumerate(PROMPTS):
+            engine.submit(f"{i}@{cr}", prompt, [0], GREEDY, cr=cr)
+    results = engine.run()
+    assert texts(results) == expected
+    assert all(r.realized_cr > 1.2 for r in results)  # the gates really evicted
+    assert engine.pool.used == 0  # every slot came back
+
+
+def test_same_seed_same_thread_whatever_shares_the_batch(tokenizer):
+    model = tiny("qwen3")
+    sampled = SamplingParams(temperature=1.0, top_p=0.9, max_new_tokens=30, seed=7)
+    alone = engine_for(model, tokenizer)
+    alone.submit("p", PROMPTS[1], [3], sampled)
+    alone_text = texts(alone.run())[("p", 3)]
+    alone.close()
+    crowd = engine_for(model, tokenizer)
+    crowd.submit("q", PROMPTS[0], list(range(5)), SamplingParams(temperature=0.7, max_new_tokens=30, seed=1))
+    crowd.submit("p", PROMPTS[1], [0, 1, 2, 3], sampled)
+    together = texts(crowd.run())
+    assert alone_text == together[("p", 3)]
+    assert len({together[("p", i)] for i in range(4)}) > 1  # different threads really differ
+
+
+def test_shared_prompt_is_prefilled_once_and_referenced_by_every_thread(tokenizer):
+    model = tiny("qwen3")
+    engine = engine_for(model, tokenizer)
+    prompt_tokens = len(tokenizer(PROMPTS[1])["input_ids"])
+    engine.submit("p", PROMPTS[1], list(range(8)), SamplingParams(temperature=1.0, max_new_tokens=30))
+    engine.step()  # prefill + first token of all 8 threads, then one decode step
+    slots_per_token = engine.slots_per_token
+    # shared prompt once, plus each thread's own first generated token
+    assert engine.pool.used == (prompt_tokens + 8) * slots_per_token
+
+
+def test_pool_is_never_overrun_and_preempted_threads_resume_identically(tokenizer):
+    model = tiny("qwen3")
+    roomy = engine_for(model, tokenizer)
+    for i in range(6):
+        roomy.submit(str(i), PROMPTS[i % 3], [0, 1], SamplingParams(temperature=0.8, max_new_tokens=60, seed=i))
+    expected = texts(roomy.run())
+    roomy.close()
+    slot_bytes = roomy.pool.slot_bytes * roomy.slots_per_token
+    # Room for about 3 threads' reservations: the burst must queue; an underestimate forces preemption.
+    tight = engine_for(model, tokenizer, budget=3 * 75 * slot_bytes)
+    tight.scheduler.reservation = lambda thread: tight.slots_per_token * 20  # admission trusts a bad estimate
+    for i in range(6):
+        tight.submit(str(i), PROMPTS[i % 3], [0, 1], SamplingParams(temperature=0.8, max_new_tokens=60, seed=i))
+    peak_used = 0
+    results = []
+    while tight.has_work():
+        results += tight.step()
+        peak_used = max(peak_used, tight.pool.used)
+        assert tight.pool.used <= tight.pool.capacity
+    assert tight.pool.high_water <= tight.pool.capacity
+    assert tight.preemptions > 0
+    assert any(r.preemptions for r in results)
+    assert texts(results) == expected
+    assert len(results) == 12
+
+
+def test_cancel_frees_memory_at_once(tokenizer):
+    model = tiny("qwen3")
+    engine = engine_for(model, tokenizer)
+    engine.submit("keep", PROMPTS[0], [0], GREEDY)
+    engine.submit("drop", PROMPTS[1], list(range(6)), SamplingParams(temperature=1.0, max_new_tokens=40))
+    for _ in range(5):
+        engine.step()
+    before = engine.pool.used
+    assert engine.cancel("drop") == 6
+    assert engine.pool.used < before / 3
+    results = engine.run()
+    assert [r.problem_id for r in results] == ["keep"]
+    assert engine.pool.used == 0
+
+
+def test_evicted_slots_return_to_the_pool_while_decoding(tokenizer):
+    model = tiny("qwen3")
+    gates, config = random_gates(model, window=4, seed=0)
+    for gate in gates:  # evict every token once it leaves the window
+        gate.weight.data.zero_()
+        object.__setattr__(gate.config, "init_offset", 10.0)
+    engine = engine_for(model, tokenizer, {8: (gates, config)})
+    engine.submit("p", PROMPTS[0], [0, 1], SamplingParams(temperature=1.0, max_new_tokens=200), cr=8)
+    used = []
+    while engine.has_work():
+        engine.step()
+        used.append(engine.pool.used)
+    # Window + the undecided newest token, per head and layer and thread, whatever the length.
+    assert max(used[5:]) <= 2 * (4 + 2) * engine.slots_per_token
+    assert engine.tokens_generated == 2 * 200
+
+
+def test_a_budget_too_small_for_one_thread_is_refused_before_any_work(tokenizer):
+    model = tiny("qwen3")
+    engine = engine_for(model, tokenizer, budget=20_000)
+    with pytest.raises(BudgetError, match="kv_budget"):
+        engine.submit("p", PROMPTS[0], [0], SamplingParams(max_new_tokens=500))
+    assert not engine.has_work()
+    with pytest.raises(ValueError, match="no DMS adapter for 8x"):
+        engine.submit("p", PROMPTS[0], [0], GREEDY, cr=8)

@@ -1,0 +1,237 @@
+"""The generation engine: continuous batching of many threads inside one fixed KV pool.
+
+Each :meth:`Engine.step` first admits what the scheduler allows (a problem's prompt is prefilled once, in
+chunks, and its threads share it; a preempted thread replays its own tokens), then makes room for the
+decode step (preempting the newest threads if the pool is short), then decodes one token for every
+running thread, each with its own sampling parameters and DMS ratio. Finished threads leave the batch
+and free their slots at once; so do cancelled ones. The pool's high-water mark is the KV peak.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+from dms_runtime.gate_bank import AdapterSet
+from dms_runtime.kv_pool import KVPool
+from dms_runtime.loading import kv_geometry
+from dms_runtime.paged_cache import PagedDMSCache
+from workers.sampler import sample_rows
+from workers.scheduler import Scheduler
+from workers.thread import SamplingParams, StopRule, Thread, ThreadResult
+
+PREFILL_CHUNK = 128  # prompt tokens per prefill pass: bounds the slots a prefill holds before eviction
+
+
+class _PoolShort(Exception):
+    """Not enough free slots to start a thread now (it goes back to the queue)."""
+
+
+class BudgetError(ValueError):
+    """A request that cannot run within the worker's KV pool, whatever else is running."""
+
+
+def thread_seed(seed: int, sample_index: int) -> int:
+    """The seed of thread ``sample_index`` of a request seeded ``seed``."""
+    return (seed * 1_000_003 + sample_index * 7919) % (2**63)
+
+
+@dataclass
+class EngineStats:
+    pool_bytes: int
+    pool_used_bytes: int
+    pool_peak_bytes: int
+    running: int
+    waiting: int
+    tokens_generated: int
+    busy_s: float
+    preemptions: int
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens_generated / self.busy_s if self.busy_s else 0.0
+
+
+class Engine:
+    def __init__(self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, adapters: AdapterSet,
+                 kv_budget_bytes: int, max_running: int = 256):
+        self.model, self.tokenizer, self.adapters = model, tokenizer, adapters
+        geometry = kv_geometry(model)
+        parameter = next(model.parameters())
+        self.pool = KVPool(kv_budget_bytes, geometry.head_dim, parameter.dtype, parameter.device)
+        self.layers, self.kv_heads = geometry.num_layers, geometry.num_kv_heads
+        self.slots_per_token = geometry.num_layers * geometry.num_kv_heads
+        self.cache = self._new_cache()
+        self.scheduler = Scheduler(self.pool.capacity, self.slots_per_token, adapters.window, max_running)
+        self.stop = StopRule.for_tokenizer(tokenizer)
+        self.rows: list[Thread] = []  # the running threads, in the cache's row order
+        self.next_input = torch.zeros(0, dtype=torch.long)  # per row: the token to feed next
+        self._arrivals = 0
+        self.tokens_generated = 0
+        self.busy_s = 0.0
+        self.preemptions = 0
+
+    def _new_cache(self) -> PagedDMSCache:
+        return PagedDMSCache(self.pool, self.layers, self.kv_heads)
+
+    # -- requests ------------------------------------------------------------------------------------
+    def submit(self, problem_id: str, prompt: str, samples: list[int], params: SamplingParams, cr: float = 1.0) -> list[Thread]:
+        """Queue threads ``samples`` (their indices) of a problem; thread i is seeded ``thread_seed(params.seed, i)``."""
+        self.adapters.index(cr)  # an unknown ratio fails here, before any work
+        prompt_ids = self.tokenizer(prompt)["input_ids"]
+        threads = []
+        for index in samples:
+            thread_params = SamplingParams(params.temperature, params.top_p, params.max_new_tokens, thread_seed(params.seed, index))
+            thread = Thread(problem_id, index, prompt_ids, thread_params, cr, seq=self._arrivals)
+            self._arrivals += 1
+            need = self.scheduler.reservation(thread)
+            if need > self.pool.capacity:
+                raise BudgetError(
+                    f"kv_budget: one thread of {thread.total_length} tokens at {cr:g}x needs {need * self.pool.slot_bytes} "
+                    f"bytes of KV, the pool holds {self.pool.budget_bytes}"
+                )
+            threads.append(thread)
+        self.scheduler.add(threads)
+        return threads
+
+    def cancel(self, problem_id: str) -> int:
+        """Stop every thread of a problem now; their slots are free when this returns. Returns how many stopped."""
+        waiting, running = self.scheduler.drop_problem(problem_id)
+        self._drop(running)
+        return len(waiting) + len(running)
+
+    def has_work(self) -> bool:
+        return bool(self.scheduler.running or self.scheduler.waiting)
+
+    def fit(self, prompt: str, params: SamplingParams, cr: float) -> int:
+        """How many threads of this request the whole pool holds at once."""
+        probe = Thread("fit", 0, self.tokenizer(prompt)["input_ids"], params, cr)
+        return min(self.scheduler.max_running, self.pool.capacity // self.scheduler.reservation(probe))
+
+    def close(self) -> None:
+        """Detach the gate banks from the model (another engine or a DMS handle may then use it)."""
+        self.adapters.detach()
+
+    def stats(self) -> EngineStats:
+        return EngineStats(self.pool.budget_bytes, self.pool.used_bytes, self.pool.high_water_bytes,
+                           len(self.scheduler.running), len(self.scheduler.waiting), self.tokens_generated,
+                           self.busy_s, self.preemptions)
+
+    # -- the loop ------------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def step(self) -> list[ThreadResult]:
+        """Admit, make room, decode one token per running thread; returns the threads that finished."""
+        began = time.perf_counter()
+        finished: list[ThreadResult] = []
+        while group := self.scheduler.next_admission():
+            try:
+                finished += self._start(group)
+            except _PoolShort:  # threads outgrew their reservations: wait for memory to free up
+                self.scheduler.unadmit(group)
+                break
+        if self.rows:
+            finished += self._make_room()
+        if self.rows:
+            threads = list(self.rows)
+            self.adapters.set_rows([t.cr for t in threads])
+            logits = self._forward(self.cache, self.next_input[:, None], self.cache.lengths()[:, None])
+            finished += self._advance(threads, logits)
+        self.busy_s += time.perf_counter() - began
+        return finished
+
+    def run(self, on_result=None) -> list[ThreadResult]:
+        """Step until nothing is waiting or running."""
+        results = []
+        while self.has_work():
+            for result in self.step():
+                results.append(result)
+                if on_result is not None:
+                    on_result(result)
+        return results
+
+    def _forward(self, cache: PagedDMSCache, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+        device = self.pool.keys.device
+        return self.model(
+            input_ids=input_ids.to(device), position_ids=position_ids.to(device), past_key_values=cache, use_cache=True,
+            attention_mask=None,  # what each query sees comes from the cache's slot tables, not a mask
+            cache_position=torch.arange(input_ids.shape[1], device=device),
+        ).logits[:, -1]
+
+    def _prefill(self, token_ids: list[int], cr: float, rows_after: int) -> tuple[PagedDMSCache, torch.Tensor]:
+        """A one-row cache holding ``token_ids`` (in chunks) and the logits after its last token."""
+        cache = self._new_cache()
+        cache.add_rows([self.adapters.window(cr)])
+        self.adapters.set_rows([cr])
+        ids = torch.tensor(token_ids, dtype=torch.long)
+        for start in range(0, len(ids), PREFILL_CHUNK):
+            chunk = ids[start : start + PREFILL_CHUNK]
+            # Room for this chunk and for the next decode step of every row, the new ones included.
+            if (len(chunk) + len(self.rows) + rows_after) * self.slots_per_token > self.pool.free:
+                cache.remove_rows([0])
+                raise _PoolShort
+            logits = self._forward(cache, chunk[None], torch.arange(start, start + len(chunk))[None])
+        return cache, logits
+
+    def _start(self, group: list[Thread]) -> list[ThreadResult]:
+        first = group[0]
+        if first.tokens:  # resume a preempted thread: rebuild its cache from its own tokens
+            cache, _ = self._prefill(first.prompt_ids + first.tokens[:-1], first.cr, 1)
+            self.cache.extend(cache)
+            self.rows.append(first)
+            self.next_input = torch.cat([self.next_input, torch.tensor(first.tokens[-1:])])
+            return []
+        cache, logits = self._prefill(first.prompt_ids, first.cr, len(group))
+        self.cache.extend(cache, repeat=len(group))
+        self.rows += group
+        self.next_input = torch.cat([self.next_input, torch.zeros(len(group), dtype=torch.long)])
+        return self._advance(group, logits.expand(len(group), -1))
+
+    def _advance(self, threads: list[Thread], logits: torch.Tensor) -> list[ThreadResult]:
+        """Sample one token for each of ``threads`` (rows of ``logits``, in order); retire the finished."""
+        temperature = torch.tensor([t.params.temperature for t in threads])
+        top_p = torch.tensor([t.params.top_p for t in threads])
+        chosen = sample_rows(logits, temperature, top_p, [t.generator for t in threads]).cpu()
+        logprobs = torch.log_softmax(logits.float(), dim=-1).gather(-1, chosen[:, None].to(logits.device))[:, 0].cpu()
+        self.next_input[self._row_indices(threads)] = chosen
+        done = [t for t, token, lp in zip(threads, chosen.tolist(), logprobs.tolist()) if t.append(token, lp, self.stop)]
+        self.tokens_generated += len(threads)
+        return self._retire(done)
+
+    def _retire(self, threads: list[Thread]) -> list[ThreadResult]:
+        if not threads:
+            return []
+        ratios = self.cache.realized_compression()[self._row_indices(threads)].tolist()
+        results = [t.result(self.tokenizer, r) for t, r in zip(threads, ratios)]
+        self.scheduler.finish(threads)
+        self._drop(threads)
+        return results
+
+    def _row_indices(self, threads: list[Thread]) -> list[int]:
+        row = {id(t): i for i, t in enumerate(self.rows)}
+        return [row[id(t)] for t in threads]
+
+    def _drop(self, threads: list[Thread]) -> None:
+        """Take ``threads``' rows out of the batch; their slots go back to the pool now."""
+        if not threads:
+            return
+        rows = self._row_indices(threads)
+        self.cache.remove_rows(rows)
+        keep = torch.ones(len(self.rows), dtype=torch.bool)
+        keep[rows] = False
+        self.next_input = self.next_input[keep]
+        self.rows = [t for t, k in zip(self.rows, keep.tolist()) if k]
+
+    def _make_room(self) -> list[ThreadResult]:
+        """Preempt the newest threads until this decode step's new tokens fit in the free slots."""
+        while len(self.rows) * self.slots_per_token > self.pool.free:
+            victim = self.scheduler.pick_victim()
+            if victim is None:  # one thread alone outgrew the pool (it compressed far less than its ratio)
+                self.rows[0].finish_reason = "kv_budget"
+                return self._retire(self.rows[:1])
+            self._drop([victim])
+            self.scheduler.preempt(victim)
+            self.preemptions += 1
+        return []

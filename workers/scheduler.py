@@ -1,0 +1,94 @@
+"""Admission control: which waiting threads may start, and which running ones give way when memory runs short.
+
+A thread is admitted only when the pool can hold what every admitted thread can grow to: its prompt
+plus its token limit, compressed at its ratio (``tokens_per_head``: the window, then ``1/cr`` of the rest),
+for every layer and KV head. Admission is first come, first served; a preempted thread goes back to the
+front of the queue. Fresh threads of the same problem and ratio that are admitted together share one
+prefill of their prompt. When a step would need more slots than are free (a thread compressing less
+than its ratio promised), the most recently admitted threads are preempted until it fits.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import Callable
+
+from workers.thread import Status, Thread, tokens_per_head
+
+
+class Scheduler:
+    def __init__(self, capacity_slots: int, slots_per_token: int, window_of: Callable[[float], int], max_running: int):
+        self.capacity = capacity_slots
+        self.slots_per_token = slots_per_token  # layers x KV heads
+        self.window_of = window_of
+        self.max_running = max_running
+        self.waiting: deque[Thread] = deque()
+        self.running: list[Thread] = []  # in batch-row order
+
+    def reservation(self, thread: Thread) -> int:
+        """Slots ``thread`` may grow to."""
+        return self.slots_per_token * tokens_per_head(thread.total_length, thread.cr, self.window_of(thread.cr))
+
+    def reserved(self) -> int:
+        return sum(self.reservation(t) for t in self.running)
+
+    def add(self, threads: list[Thread]) -> None:
+        self.waiting.extend(threads)
+
+    def next_admission(self) -> list[Thread]:
+        """The next threads to start, all sharing one prefill (empty when the head of the queue must wait)."""
+        room = self.capacity - self.reserved()
+        slots_left = self.max_running - len(self.running)
+        group: list[Thread] = []
+        for thread in self.waiting:
+            cost = self.reservation(thread)
+            if slots_left <= 0 or cost > room:
+                break
+            if group and (thread.tokens or group[0].tokens or (thread.problem_id, thread.cr) != (group[0].problem_id, group[0].cr)):
+                break
+            group.append(thread)
+            room -= cost
+            slots_left -= 1
+            if thread.tokens:  # a resumed thread replays its own tokens: no sharing
+                break
+        for thread in group:
+            self.waiting.popleft()
+            thread.status = Status.RUNNING
+        self.running.extend(group)
+        return group
+
+    def unadmit(self, group: list[Thread]) -> None:
+        """Put threads admitted this step back at the front of the queue, in their order."""
+        for thread in reversed(group):
+            self.running.remove(thread)
+            thread.status = Status.WAITING
+            self.waiting.appendleft(thread)
+
+    def pick_victim(self) -> Thread | None:
+        """The running thread to preempt next: the most recently admitted; never the last one running."""
+        if len(self.running) < 2:
+            return None
+        return max(self.running, key=lambda t: t.seq)
+
+    def preempt(self, thread: Thread) -> None:
+        self.running.remove(thread)
+        thread.status = Status.WAITING
+        thread.preemptions += 1
+        self.waiting.appendleft(thread)
+
+    def finish(self, threads: list[Thread]) -> None:
+        for thread in threads:
+            self.running.remove(thread)
+            thread.status = Status.FINISHED
+
+    def drop_problem(self, problem_id: str) -> tuple[list[Thread], list[Thread]]:
+        """Remove a problem's threads: returns (were waiting, were running)."""
+        waiting = [t for t in self.waiting if t.problem_id == problem_id]
+        running = [t for t in self.running if t.problem_id == problem_id]
+        self.waiting = deque(t for t in self.waiting if t.problem_id != problem_id)
+        for thread in running:
+            self.running.remove(thread)
+        for thread in waiting + running:
+            thread.status = Status.FINISHED
+            thread.finish_reason = "cancelled"
+        return waiting, running
