@@ -1,14 +1,19 @@
 """Retrofit training (``thinkpool retrofit``): teach eviction gates to drop KV entries the model won't miss.
 
-The student is the base model with gates attached in DMS training mode; the teacher is the same base
-model with DMS off (adapter-only training, the default, shares weights; full fine-tuning keeps a frozen
-copy). The loss is the forward KL from teacher to student on the chain-of-thought tokens plus the
+Every ratio in ``ratios`` gets its own gates, and all are trained together on one shared model: each
+batch row is assigned to one ratio (row ``r`` to ``ratios[r % n]``), and that row's attention uses that
+ratio's gates. So one set of base weights serves every ratio, and the engine can mix ratios in one batch.
+The student is the base model with gates attached in DMS training mode; the teacher is the frozen base
+model (adapter-only training, the default, shares its weights; full fine-tuning keeps a frozen copy).
+The loss is the forward KL from teacher to student on the chain-of-thought tokens plus, per ratio, the
 one-sided compression loss ``max(0, f_target - f)``, where ``f`` is the fraction of evicted tokens among
-those that have left the window. ``f_target`` is derived from the compression ratio the adapter is named
-after: the eviction fraction at which the *realized* ratio (tokens processed / tokens held at a thread's
-end, the eval metric, window included) averages the target over the training problems' lengths. The
-target ratio rises linearly and pauses at every ratio in ``stages``, where a snapshot adapter is saved
-(one schedule gives the 2x, 4x and 8x adapters). Resumable from a state file.
+those that have left the window. ``f_target`` comes from the ratio the adapter is named after: the
+eviction fraction at which the *realized* ratio (tokens processed / tokens held at a thread's end, the
+eval metric, window included) averages the target over the training problems' lengths. Each target
+rises linearly from 1 over ``ramp_steps``, then holds for ``hold_steps``. Resumable from a state file.
+
+Adapter-only output goes beside the base model; full fine-tuning writes a new model directory (its
+weights, tokenizer and adapters), since the adapters then belong to the fine-tuned weights.
 """
 
 from __future__ import annotations
@@ -21,9 +26,11 @@ from pathlib import Path
 import torch
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, field_validator
+from torch import nn
 from tqdm import tqdm
 
 from dms_runtime.adapters import adapter_path, save_adapter
+from dms_runtime.base_train import export
 from dms_runtime.attach import attach_dms
 from dms_runtime.chain_data import difficulty_batch, sample_lengths
 from dms_runtime.config import DMSConfig
@@ -40,13 +47,14 @@ class RetrofitConfig(BaseModel):
     window: int = Field(16, ge=0)
     logit_scale: float = 100.0
     init_offset: float = -5.0
-    stages: list[float] = [2.0, 4.0, 8.0]
-    ramp_steps: int = Field(150, gt=0)
-    hold_steps: int = Field(100, ge=0)
+    ratios: list[float] = [2.0, 4.0, 8.0]
+    ramp_steps: int = Field(300, gt=0)
+    hold_steps: int = Field(150, ge=0)
     tokens_per_batch: int = Field(6000, gt=0)
     k_min: int = Field(1, ge=1)
     k_max: int = Field(20, le=24)
-    lr: float = Field(3e-4, gt=0)
+    lr: float = Field(3e-4, gt=0)  # gates
+    finetune_lr: float = Field(1e-4, gt=0)  # base weights, with full_finetune
     temperature: float = Field(0.1, gt=0)
     compression_weight: float = Field(1.0, ge=0)
     full_finetune: bool = False
@@ -54,12 +62,12 @@ class RetrofitConfig(BaseModel):
     device: str = "auto"  # auto = cuda when available (weights in bf16 there), else cpu
     checkpoint_every: int = Field(25, gt=0)
 
-    @field_validator("stages")
+    @field_validator("ratios")
     @classmethod
-    def _increasing(cls, stages: list[float]) -> list[float]:
-        if not stages or any(b <= a for a, b in zip([1.0] + stages, stages)) or stages[0] <= 1:
-            raise ValueError("stages must be increasing compression ratios above 1, e.g. [2, 4, 8]")
-        return stages
+    def _increasing(cls, ratios: list[float]) -> list[float]:
+        if not ratios or any(b <= a for a, b in zip([1.0] + ratios, ratios)) or ratios[0] <= 1:
+            raise ValueError("ratios must be increasing compression ratios above 1, e.g. [2, 4, 8]")
+        return ratios
 
     @classmethod
     def from_yaml(cls, path: str | Path) -> "RetrofitConfig":
@@ -71,7 +79,13 @@ class RetrofitConfig(BaseModel):
 
     @property
     def total_steps(self) -> int:
-        return len(self.stages) * (self.ramp_steps + self.hold_steps)
+        return self.ramp_steps + self.hold_steps
+
+    @property
+    def output_dir(self) -> Path:
+        if self.output:
+            return Path(self.output)
+        return Path(f"{self.model.rstrip('/')}-dms") if self.full_finetune else Path(self.model)
 
 
 def resolve_device(device: str) -> str:
@@ -80,13 +94,9 @@ def resolve_device(device: str) -> str:
     return device
 
 
-def target_ratio(step: int, config: RetrofitConfig) -> tuple[float, int]:
-    """The target compression at ``step`` and the index of its stage (linear ramp, then hold)."""
-    stage_len = config.ramp_steps + config.hold_steps
-    stage = min(step // stage_len, len(config.stages) - 1)
-    start = 1.0 if stage == 0 else config.stages[stage - 1]
-    progress = min(1.0, (step - stage * stage_len) / config.ramp_steps)
-    return start + (config.stages[stage] - start) * progress, stage
+def target_ratio(step: int, final: float, config: RetrofitConfig) -> float:
+    """The target compression of an adapter named ``final`` at ``step``: a linear ramp from 1, then a hold."""
+    return 1.0 + (final - 1.0) * min(1.0, step / config.ramp_steps)
 
 
 def held_tokens(length: int, window: int, evicted_fraction: float) -> float:
@@ -112,7 +122,7 @@ def eviction_target(ratio: float, window: int, lengths: list[int]) -> float:
 
 
 def evicted_fraction(alphas: list[torch.Tensor], lengths: torch.Tensor, window: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Fraction of evicted tokens among those that left the window, and the batch's mean realized ratio."""
+    """Fraction of evicted tokens among those that left the window, and the rows' mean realized ratio."""
     stacked = torch.stack([a.float() for a in alphas])  # [layers, n, decisions, L]
     positions = torch.arange(stacked.shape[-1])
     left_window = positions[None, :] < (lengths[:, None] - 1 - window)  # [n, L]
@@ -123,47 +133,68 @@ def evicted_fraction(alphas: list[torch.Tensor], lengths: torch.Tensor, window: 
     return fraction, ratio
 
 
+class RowGates(nn.Module):
+    """One layer's gates for every ratio; each batch row uses the gates of its ratio (``row_ratio``)."""
+
+    def __init__(self, gates: list[nn.Module]):
+        super().__init__()
+        self.gates = nn.ModuleList(gates)
+        self.query_channels = gates[0].query_channels
+        self.row_ratio = torch.zeros(0, dtype=torch.long)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits = torch.stack([gate(hidden) for gate in self.gates])  # [ratios, rows, T, decisions]
+        index = self.row_ratio.to(hidden.device)[None, :, None, None].expand(1, -1, *logits.shape[2:])
+        return logits.gather(0, index)[0]
+
+
 def retrofit(config: RetrofitConfig, steps: int | None = None, quiet: bool = False) -> list[Path]:
-    """Train (or resume) and save one adapter per stage; returns the adapter paths written."""
+    """Train (or resume) the gates of every ratio together; returns the adapter paths written at the end."""
     torch.manual_seed(config.seed)
     device = resolve_device(config.device)
     model, tokenizer = load_model(config.model, device=device, dtype=torch.bfloat16 if device == "cuda" else torch.float32)
-    out_dir = Path(config.output or config.model)
+    out_dir = config.output_dir
     out_dir.mkdir(parents=True, exist_ok=True)
     teacher = copy.deepcopy(model) if config.full_finetune else model
     for parameter in teacher.parameters():
         parameter.requires_grad_(False)
     dms = config.dms
-    gates = build_gates(model, dms)
-    handle = attach_dms(model, gates, dms)
+    per_ratio = [build_gates(model, dms) for _ in config.ratios]  # [ratio][layer]
+    row_gates = nn.ModuleList(RowGates([gates[layer] for gates in per_ratio]) for layer in range(len(per_ratio[0])))
+    handle = attach_dms(model, row_gates, dms)
     for module in handle.modules:
         module.dms.temperature = config.temperature
-    trainable = list(gates.parameters())
+    groups = [{"params": list(row_gates.parameters()), "lr": config.lr}]
     if config.full_finetune:
         for parameter in model.parameters():
             parameter.requires_grad_(True)
-        trainable += list(model.parameters())
-    optimizer = torch.optim.AdamW(trainable, lr=config.lr, weight_decay=0.0, betas=(0.9, 0.98))
+        groups.append({"params": list(model.parameters()), "lr": config.finetune_lr})
+    trainable = [p for group in groups for p in group["params"]]
+    optimizer = torch.optim.AdamW(groups, weight_decay=0.0, betas=(0.9, 0.98))
     state_path = out_dir / f"retrofit_state-{dms.parametrization}-w{dms.window}.pt"
     start = 0
     if state_path.exists():
         state = torch.load(state_path, weights_only=False, map_location=device)
-        gates.load_state_dict(state["gates"])
+        row_gates.load_state_dict(state["gates"])
         optimizer.load_state_dict(state["optimizer"])
         if config.full_finetune:
             model.load_state_dict(state["model"])
         start = state["step"]
     end = min(config.total_steps, start + steps) if steps is not None else config.total_steps
     lengths = sample_lengths(tokenizer, config.k_min, config.k_max)
-    written: list[Path] = []
+    ratios = len(config.ratios)
     bar = tqdm(range(start, end), initial=start, total=config.total_steps, desc="retrofit", disable=quiet)
     began = time.perf_counter()
+    kl = torch.zeros(())
     for step in bar:
-        target, stage = target_ratio(step, config)
-        fraction_target = eviction_target(target, dms.window, lengths)
+        targets = [target_ratio(step, final, config) for final in config.ratios]
+        fraction_targets = [eviction_target(t, dms.window, lengths) for t in targets]
         batch = difficulty_batch(tokenizer, random.Random(config.seed * 1_000_003 + step), config.k_min, config.k_max,
                                  config.tokens_per_batch)
         input_ids = batch.input_ids.to(device)
+        row_ratio = torch.arange(len(input_ids)) % ratios
+        for gates in row_gates:
+            gates.row_ratio = row_ratio
         with torch.no_grad(), torch.autocast(device, dtype=torch.bfloat16), handle.mode("off"):
             teacher_logits = teacher(input_ids=input_ids, use_cache=False).logits
         handle.set_mode("train")
@@ -173,31 +204,48 @@ def retrofit(config: RetrofitConfig, steps: int | None = None, quiet: bool = Fal
         teacher_logp = torch.log_softmax(teacher_logits[mask].float(), dim=-1)
         student_logp = torch.log_softmax(student_logits[mask].float(), dim=-1)
         kl = (teacher_logp.exp() * (teacher_logp - student_logp)).sum(-1).mean()
-        fraction, ratio = evicted_fraction([a.cpu() for a in handle.alphas()], batch.lengths, dms.window)
-        compression = torch.relu(fraction_target - fraction)
+        alphas = [a.cpu() for a in handle.alphas()]
+        compression = torch.zeros(())
+        shown = {}
+        for index, (final, fraction_target) in enumerate(zip(config.ratios, fraction_targets)):
+            rows = row_ratio == index
+            if not bool(rows.any()):
+                continue
+            fraction, ratio = evicted_fraction([a[rows] for a in alphas], batch.lengths[rows], dms.window)
+            compression = compression + torch.relu(fraction_target - fraction)
+            shown[f"{final:g}x"] = f"{fraction.item():.2f}/{fraction_target:.2f}"
         loss = kl + config.compression_weight * compression
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(trainable, 1.0)
         optimizer.step()
         handle.set_mode("infer")
-        bar.set_postfix(kl=f"{kl.item():.4f}", k=batch.k, target=f"{target:.2f}", evict=f"{fraction.item():.3f}/{fraction_target:.3f}",
-                        realized=f"{ratio.item():.2f}",
+        bar.set_postfix(kl=f"{kl.item():.4f}", k=batch.k, **shown,
                         s_per_step=f"{(time.perf_counter() - began) / (step - start + 1):.1f}")
-        stage_end = (stage + 1) * (config.ramp_steps + config.hold_steps)
-        if step + 1 == stage_end:
-            path = save_adapter(
-                adapter_path(out_dir, config.stages[stage]), gates, dms, model, config.stages[stage],
-                extra={"train_steps": step + 1, "eviction_target": round(fraction_target, 4), "train_kl": round(kl.item(), 5)},
-            )
-            if config.full_finetune:
-                model.save_pretrained(out_dir)
-                tokenizer.save_pretrained(out_dir)
-            written.append(path)
         if (step + 1) % config.checkpoint_every == 0 or step + 1 == end:
-            state = {"gates": gates.state_dict(), "optimizer": optimizer.state_dict(), "step": step + 1}
+            state = {"gates": row_gates.state_dict(), "optimizer": optimizer.state_dict(), "step": step + 1}
             if config.full_finetune:
                 state["model"] = model.state_dict()
             torch.save(state, state_path)
+    written: list[Path] = []
+    if end == config.total_steps:
+        if config.full_finetune:
+            export_weights(model, tokenizer, out_dir)
+        for final, fraction_target, gates in zip(config.ratios, fraction_targets if end > start else [0.0] * ratios, per_ratio):
+            written.append(save_adapter(
+                adapter_path(out_dir, final), gates, dms, model, final,
+                extra={"train_steps": config.total_steps, "eviction_target": round(fraction_target, 4),
+                       "train_kl": round(kl.item(), 5), "full_finetune": config.full_finetune,
+                       "base_model": config.model, "ratios_trained_together": config.ratios},
+            ))
     handle.detach()
     return written
+
+
+def export_weights(model: nn.Module, tokenizer, out_dir: Path) -> None:
+    """Save the fine-tuned weights (float16, as the base model ships) and round the live model to what was
+    saved, so that the adapters' base fingerprint is the fingerprint of the weights that load."""
+    export(model, tokenizer, out_dir)
+    with torch.no_grad():
+        for parameter in model.parameters():
+            parameter.data = parameter.data.to(torch.float16).to(parameter.dtype)

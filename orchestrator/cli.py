@@ -39,6 +39,32 @@ def k_range(text: str) -> tuple[int, int]:
     return k_min, k_max
 
 
+UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
+
+
+def byte_size(text: str) -> int:
+    """Bytes: ``12000000``, ``12e6``, ``64MiB``, ``1.5GB``."""
+    number = text.strip().lower().rstrip("bikmg")
+    unit = text.strip().lower()[len(number):]
+    try:
+        value = int(float(number) * UNITS[unit])
+    except (ValueError, KeyError):
+        raise argparse.ArgumentTypeError(f"expected bytes such as 12000000, 64MiB or 1.5GB, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1 byte, got {text!r}")
+    return value
+
+
+def sample_count(maximum: int) -> Callable:
+    """``fit`` (as many threads as the KV pool holds) or a thread count in 1..maximum."""
+    count = bounded(int, 1, maximum)
+
+    def convert(text: str):
+        return "fit" if text == "fit" else count(text)
+
+    return convert
+
+
 def build_parser() -> argparse.ArgumentParser:
     settings = get_settings()
     max_samples = settings.limits.max_samples
@@ -48,8 +74,12 @@ def build_parser() -> argparse.ArgumentParser:
     def add_model(p: argparse.ArgumentParser) -> None:
         p.add_argument("--model", type=Path, default=None, help="model directory (default: the shipped model)")
 
-    def add_sampling(p: argparse.ArgumentParser) -> None:
-        p.add_argument("--samples", type=bounded(int, 1, max_samples), default=1, help="threads per problem (1 = greedy)")
+    def add_sampling(p: argparse.ArgumentParser, allow_fit: bool = False) -> None:
+        if allow_fit:
+            p.add_argument("--samples", type=sample_count(max_samples), default=1,
+                           help="threads per problem (1 = greedy; fit = as many as the KV pool holds at once)")
+        else:
+            p.add_argument("--samples", type=bounded(int, 1, max_samples), default=1, help="threads per problem (1 = greedy)")
         p.add_argument("--seed", type=int, default=0)
         p.add_argument("--temperature", type=bounded(float, 0.01, 5.0), default=settings.sampling.temperature)
         p.add_argument("--top-p", type=bounded(float, 0.01, 1.0), default=settings.sampling.top_p)
@@ -64,9 +94,14 @@ def build_parser() -> argparse.ArgumentParser:
     evaluate = commands.add_parser("eval", help="evaluate a problem file")
     evaluate.add_argument("--problems", type=Path, required=True, help="JSONL file of {id, prompt, answer}")
     evaluate.add_argument("--limit", type=bounded(int, 1), default=None)
-    add_sampling(evaluate)
+    add_sampling(evaluate, allow_fit=True)
     add_model(evaluate)
-    evaluate.add_argument("--batch-size", type=bounded(int, 1, 4096), default=settings.generation.batch_size)
+    evaluate.add_argument("--batch-size", type=bounded(int, 1, 4096), default=settings.generation.batch_size,
+                          help="threads per batch in the reference loop (--press runs)")
+    evaluate.add_argument("--kv-budget", type=byte_size, default=None,
+                          help="KV pool size in bytes (e.g. 12MB); problems then run one at a time, each with the whole pool")
+    evaluate.add_argument("--workers", type=bounded(int, 0, 64), default=1,
+                          help="Ray worker actors (0: one engine in this process, no Ray)")
     evaluate.add_argument("--cr", type=bounded(float, 1, 64), nargs="+", default=None,
                           help="DMS compression ratio(s): the adapter dms-<CR>x beside the model; 1 = vanilla")
     evaluate.add_argument("--press", nargs="+", default=None, metavar="NAME",
@@ -95,8 +130,9 @@ def build_parser() -> argparse.ArgumentParser:
     retrofit = commands.add_parser("retrofit", help="train DMS adapters for a model (resumable)")
     retrofit.add_argument("--config", type=Path, default=Path("configs/retrofit_chain.yaml"))
     retrofit.add_argument("--model", type=Path, default=None, help="base model directory (overrides the config)")
-    retrofit.add_argument("--output", type=Path, default=None, help="where adapters go (default: beside the model)")
-    retrofit.add_argument("--stages", type=bounded(float, 1.01, 64), nargs="+", default=None,
+    retrofit.add_argument("--output", type=Path, default=None,
+                          help="where adapters go (default: beside the model; with --full-finetune: MODEL-dms)")
+    retrofit.add_argument("--ratios", type=bounded(float, 1.01, 64), nargs="+", default=None,
                           help="compression ratios to snapshot, e.g. 2 4 8")
     retrofit.add_argument("--window", type=bounded(int, 0, 1_000_000), default=None)
     retrofit.add_argument("--parametrization", choices=["adapter", "query_neuron"], default=None)
@@ -180,8 +216,24 @@ def eval_methods(args, parser, model_dir) -> list:
     return methods
 
 
+def make_pool(model_dir, kv_budget: int | None, workers: int):
+    """The workers an eval or solve runs on: Ray actors, or (``workers == 0``) one engine in this process."""
+    from workers.worker import WorkerConfig
+
+    config = WorkerConfig(model=str(model_dir), kv_budget_bytes=kv_budget)
+    if workers == 0:
+        from workers.local import LocalPool
+
+        return LocalPool(config)
+    from workers.pool import WorkerPool
+
+    return WorkerPool(config, num_workers=workers)
+
+
 def cmd_eval(args, parser) -> int:
-    from orchestrator.evaluate import EvalOptions, evaluate
+    import asyncio
+
+    from orchestrator.evaluate import EvalOptions, evaluate, evaluate_on_pool
     from orchestrator.plots import plot_accuracy_by_k, plot_pareto
     from tasks.jsonl import ProblemFileError, read_problems, write_jsonl
     from workers.kv_methods import kv_policy
@@ -194,9 +246,11 @@ def cmd_eval(args, parser) -> int:
 
     model_dir = args.model or default_model_path()
     methods = eval_methods(args, parser, model_dir)
-    model, tokenizer, name = _load(args, parser)
+    if args.press and (args.kv_budget or args.samples == "fit"):
+        parser.error("argument --kv-budget: --kv-budget and --samples fit run on the engine; --press runs use the reference loop")
+    fit = args.samples == "fit"
     options = EvalOptions(
-        samples=args.samples,
+        samples=1 if fit else args.samples,
         seed=args.seed,
         temperature=args.temperature,
         top_p=args.top_p,
@@ -204,11 +258,24 @@ def cmd_eval(args, parser) -> int:
         batch_size=args.batch_size,
     )
     runs, records = [], []
-    for method in methods:
-        with kv_policy(method, model, model_dir) as kv:
-            report = evaluate(problems, model, tokenizer, options, name, progress=True, kv=kv, method=method.label)
-        records += [{"method": method.label, **r} for r in report.pop("problems")]
-        runs.append(report)
+    engine_methods = [m for m in methods if m.kind in ("vanilla", "dms")]
+    if engine_methods:
+        pool = make_pool(model_dir, args.kv_budget, args.workers)
+        check_budget(parser, pool, problems, options, engine_methods)
+        for method in engine_methods:
+            report = asyncio.run(evaluate_on_pool(problems, pool, options, method.ratio if method.kind == "dms" else 1.0,
+                                                  method.label, fit=fit, sequential=args.kv_budget is not None))
+            records += [{"method": method.label, **r} for r in report.pop("problems")]
+            runs.append(report)
+        pool.shutdown()
+    reference = [m for m in methods if m.kind not in ("vanilla", "dms")]
+    if reference:
+        model, tokenizer, name = _load(args, parser)
+        for method in reference:
+            with kv_policy(method, model, model_dir) as kv:
+                report = evaluate(problems, model, tokenizer, options, name, progress=True, kv=kv, method=method.label)
+            records += [{"method": method.label, **r} for r in report.pop("problems")]
+            runs.append(report)
     if args.output:
         write_jsonl(args.output, records)
     if args.plot and len(runs) == 1:
@@ -222,10 +289,28 @@ def cmd_eval(args, parser) -> int:
         for report in runs:
             print(f"{report['method']}: n={report['n']} accuracy={report['accuracy']:.3f} "
                   f"realized_cr={report['realized_cr']:.2f} tokens={report['tokens_generated']} "
-                  f"tokens/s={report['tokens_per_s']:.0f} kv_peak_bytes={report['kv_peak_bytes']}")
+                  f"tokens/s={report['tokens_per_s']:.0f} kv_peak_bytes={report['kv_peak_bytes']} "
+                  f"samples/problem={report['samples_per_problem']:g}")
             for k, accuracy in report["accuracy_by_k"].items():
                 print(f"  k={k:>2}  {accuracy:.3f}  (n={report['n_by_k'][k]})")
     return 0
+
+
+def check_budget(parser, pool, problems: list[dict], options, methods) -> None:
+    """Refuse, before any work, a KV budget that cannot hold one thread of the longest problem."""
+    import asyncio
+
+    from tasks.prompt import format_prompt
+    from workers.thread import SamplingParams
+
+    longest = max((format_prompt(p["prompt"]) for p in problems), key=len)
+    params = SamplingParams(max_new_tokens=options.max_new_tokens)
+    for method in methods:
+        cr = method.ratio if method.kind == "dms" else 1.0
+        if asyncio.run(pool.fit(longest, params, cr)) < 1:
+            pool.shutdown()
+            parser.error(f"argument --kv-budget: {pool.info()['kv_budget_bytes']} bytes cannot hold one thread "
+                         f"({options.max_new_tokens} new tokens at {cr:g}x) of the longest problem")
 
 
 def cmd_info(args, parser) -> int:
@@ -287,7 +372,7 @@ def cmd_retrofit(args, parser) -> int:
     overrides = {
         "model": str(args.model) if args.model else None,
         "output": str(args.output) if args.output else None,
-        "stages": args.stages,
+        "ratios": args.ratios,
         "window": args.window,
         "parametrization": args.parametrization,
         "per_head": False if args.per_layer else None,

@@ -1,10 +1,15 @@
 """``thinkpool eval``: run a problem file through the model and score it.
 
-One sample is greedy; more are temperature-sampled threads whose answers are majority-voted.
+One sample is greedy; more are temperature-sampled threads whose answers are majority-voted. Vanilla and
+DMS runs go through the workers (:func:`evaluate_on_pool`: the engine and its fixed KV pool); the
+training-free kvpress baselines use the reference decode loop (:func:`evaluate`), since a press shrinks a
+dense Hugging Face cache that the engine's pool does not use.
 """
 
 from __future__ import annotations
 
+import asyncio
+import time
 from collections import defaultdict
 from dataclasses import dataclass
 
@@ -47,23 +52,7 @@ def evaluate(
     threads_by_problem: dict[int, list] = defaultdict(list)
     for thread in generation.threads:
         threads_by_problem[thread.problem_index].append(thread)
-    records = []
-    for index, problem in enumerate(problems):
-        threads = threads_by_problem[index]
-        vote = majority_vote([t.answer for t in threads])
-        records.append(
-            {
-                "id": problem["id"],
-                "k": problem.get("k"),
-                "expected": problem["answer"],
-                "answer": vote.answer,
-                "correct": answers_match(vote.answer, problem["answer"]),
-                "votes": vote.counts,
-                "thread_accuracy": sum(answers_match(t.answer, problem["answer"]) for t in threads) / len(threads),
-                "tokens": sum(t.tokens for t in threads),
-                "realized_cr": sum(t.realized_cr for t in threads) / len(threads),
-            }
-        )
+    records = [problem_record(problem, threads_by_problem[index]) for index, problem in enumerate(problems)]
     return {
         "method": method,
         **summarize(records, generation.tokens_generated, generation.elapsed_s),
@@ -85,6 +74,23 @@ def evaluate(
     }
 
 
+def problem_record(problem: dict, threads: list) -> dict:
+    """One problem's outcome from its threads (anything with ``answer``, ``tokens`` and ``realized_cr``)."""
+    vote = majority_vote([t.answer for t in threads])
+    return {
+        "id": problem["id"],
+        "k": problem.get("k"),
+        "expected": problem["answer"],
+        "answer": vote.answer,
+        "correct": answers_match(vote.answer, problem["answer"]),
+        "votes": vote.counts,
+        "samples": len(threads),
+        "thread_accuracy": sum(answers_match(t.answer, problem["answer"]) for t in threads) / max(1, len(threads)),
+        "tokens": sum(t.tokens for t in threads),
+        "realized_cr": sum(t.realized_cr for t in threads) / max(1, len(threads)),
+    }
+
+
 def summarize(records: list[dict], tokens_generated: int, elapsed_s: float) -> dict:
     by_k: dict[int, list[bool]] = defaultdict(list)
     for record in records:
@@ -99,4 +105,76 @@ def summarize(records: list[dict], tokens_generated: int, elapsed_s: float) -> d
         "tokens_generated": tokens_generated,
         "elapsed_s": round(elapsed_s, 3),
         "tokens_per_s": tokens_generated / elapsed_s if elapsed_s > 0 else 0.0,
+    }
+
+
+async def evaluate_on_pool(
+    problems: list[dict],
+    pool,
+    options: EvalOptions,
+    cr: float,
+    method: str,
+    fit: bool = False,
+    sequential: bool = False,
+    progress: bool = True,
+) -> dict:
+    """Score ``problems`` on a worker pool (Ray ``WorkerPool`` or in-process ``LocalPool``) at ratio ``cr``.
+
+    ``sequential`` solves one problem at a time, each with the whole pool (``--kv-budget``); otherwise all
+    problems are queued at once and the engines batch them continuously. ``fit`` runs, per problem, as
+    many threads as the pool holds at once at this ratio (``--samples fit``)."""
+    from tqdm import tqdm
+
+    from workers.thread import SamplingParams
+    from workers.worker import ProblemRequest
+
+    def params(samples: int, index: int) -> SamplingParams:
+        return SamplingParams(0.0 if samples == 1 else options.temperature, options.top_p, options.max_new_tokens,
+                              seed=options.seed * 1_000_003 + index)
+
+    prompts = [format_prompt(p["prompt"]) for p in problems]
+    counts = [options.samples] * len(problems)
+    if fit:
+        counts = [await pool.fit(prompt, params(2, i), cr) for i, prompt in enumerate(prompts)]
+    requests = [
+        ProblemRequest(f"eval-{i}", prompt, tuple(range(n)), params(n, i), cr) for i, (prompt, n) in enumerate(zip(prompts, counts))
+    ]
+    await pool.reset_peaks()
+    started = time.perf_counter()
+    with tqdm(total=sum(counts), desc=method, unit="thread", disable=not progress) as bar:
+        def tick(_):
+            bar.update(1)
+
+        if sequential:
+            results = [await pool.collect(r, tick) for r in requests]
+        else:
+            results = await asyncio.gather(*(pool.collect(r, tick) for r in requests))
+    elapsed = time.perf_counter() - started
+    stats = [s for s in await pool.stats() if s is not None]
+    threads = [t for group in results for t in group]
+    records = [problem_record(problem, group) for problem, group in zip(problems, results)]
+    info = pool.info()
+    return {
+        "method": method,
+        **summarize(records, sum(t.tokens for t in threads), elapsed),
+        "realized_cr": sum(t.realized_cr for t in threads) / max(1, len(threads)),
+        "kv_peak_bytes": max(s.pool_peak_bytes for s in stats),
+        "kv_budget_bytes": info["kv_budget_bytes"],
+        "samples_per_problem": sum(counts) / len(counts),
+        "preemptions": sum(t.preemptions for t in threads),
+        "config": {
+            "model": info["model"],
+            "backend": "engine",
+            "workers": info["workers"],
+            "cr": cr,
+            "kv_bytes_per_token": info["geometry"]["kv_bytes_per_token"],
+            "samples": "fit" if fit else options.samples,
+            "one_problem_at_a_time": sequential,
+            "decoding": "greedy" if set(counts) == {1} else "sampled+majority",
+            "temperature": options.temperature,
+            "top_p": options.top_p,
+            "max_new_tokens": options.max_new_tokens,
+            "seed": options.seed,
+        },
+        "problems": records,
     }

@@ -27,12 +27,26 @@ def test_eval_json_reports_the_documented_fields(easy_file, tmp_path):
 
 def test_vote_reports_samples_and_votes(easy_file, tmp_path):
     out = tmp_path / "results.jsonl"
-    done = thinkpool("eval", "--problems", str(easy_file), "--limit", "2", "--samples", "4", "--json", "--output", str(out))
+    done = thinkpool("eval", "--problems", str(easy_file), "--limit", "2", "--samples", "4", "--json", "--output", str(out),
+                     "--workers", "0")
     assert done.returncode == 0, done.stderr
     report = json.loads(done.stdout)
     assert report["samples_per_problem"] == 4 and report["config"]["decoding"] == "sampled+majority"
     records = [json.loads(line) for line in out.read_text().splitlines()]
     assert len(records) == 2 and all(sum(r["votes"].values()) <= 4 for r in records)
+
+
+def test_kv_budget_with_samples_fit_never_exceeds_the_pool(easy_file):
+    budget = 6_000_000
+    done = thinkpool("eval", "--problems", str(easy_file), "--limit", "2", "--samples", "fit", "--kv-budget", "6MB",
+                     "--max-new-tokens", "300", "--workers", "0", "--json")
+    assert done.returncode == 0, done.stderr
+    report = json.loads(done.stdout)
+    assert report["kv_budget_bytes"] <= budget and 0 < report["kv_peak_bytes"] <= report["kv_budget_bytes"]
+    # 300 new tokens + a short prompt at 3072 bytes per token: about 6 threads fit in 6 MB
+    assert report["samples_per_problem"] >= 5 and report["config"]["one_problem_at_a_time"]
+    done = thinkpool("eval", "--problems", str(easy_file), "--kv-budget", "1MB", "--workers", "0")
+    assert done.returncode == 2 and "argument --kv-budget" in done.stderr and "cannot hold one thread" in done.stderr
 
 
 def test_solve_and_info():
@@ -50,6 +64,8 @@ def test_solve_and_info():
         (("solve", "a=1;b=2;c=a+x;?c"), "unknown variable 'x'"),
         (("solve", "a=1;b=2;c=a+b;?c", "--samples", "0"), "argument --samples: must be between 1 and 256"),
         (("eval", "--problems", "missing.jsonl"), "problem file not found"),
+        (("eval", "--problems", "{bad}", "--kv-budget", "lots"), "argument --kv-budget: expected bytes"),
+        (("eval", "--problems", "{bad}", "--samples", "many"), "argument --samples: expected int"),
         (("eval", "--problems", "{bad}", "--temperature", "-1"), "argument --temperature"),
         (("generate", "--n", "3", "--k", "0-30", "--output", "x.jsonl"), "argument --k"),
         (("info", "--model", "/nonexistent"), "argument --model: no model at /nonexistent"),

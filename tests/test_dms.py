@@ -52,15 +52,12 @@ def test_decision_about_a_token_comes_from_the_next_position():
     assert decisions[:4].tolist() == [1.0, 2.0, 3.0, 4.0] and decisions[4] < -1e8
 
 
-def test_schedule_ramps_linearly_then_holds_at_each_stage():
-    config = RetrofitConfig(stages=[2, 4, 8], ramp_steps=10, hold_steps=5)
-    assert target_ratio(0, config) == (1.0, 0)
-    assert target_ratio(5, config) == (1.5, 0)
-    assert target_ratio(12, config) == (2.0, 0)
-    assert target_ratio(15, config) == (2.0, 1)
-    assert target_ratio(20, config) == (3.0, 1)
-    assert target_ratio(44, config) == (8.0, 2)
-    assert config.total_steps == 45
+def test_schedule_ramps_every_ratio_linearly_then_holds():
+    config = RetrofitConfig(ratios=[2, 4, 8], ramp_steps=10, hold_steps=5)
+    assert [target_ratio(0, r, config) for r in (2, 4, 8)] == [1.0, 1.0, 1.0]
+    assert [target_ratio(5, r, config) for r in (2, 4, 8)] == [1.5, 2.5, 4.5]
+    assert [target_ratio(12, r, config) for r in (2, 4, 8)] == [2.0, 4.0, 8.0]
+    assert config.total_steps == 15
 
 
 @pytest.mark.parametrize("kind", MODELS)
@@ -210,7 +207,10 @@ def test_fingerprint_ignores_dtype_but_not_weights():
     assert model_fingerprint(changed) != fingerprint
 
 
-def test_retrofit_on_a_tiny_model_writes_resumable_snapshots(tmp_path):
+@pytest.mark.parametrize("full_finetune", [False, True])
+def test_retrofit_on_a_tiny_model_trains_every_ratio_and_resumes(tmp_path, full_finetune):
+    from dms_runtime.adapters import load_adapter
+    from dms_runtime.loading import load_model
     from dms_runtime.retrofit import RetrofitConfig, eviction_target, held_tokens, retrofit
     from dms_runtime.tokenizer import build_tokenizer
 
@@ -218,12 +218,20 @@ def test_retrofit_on_a_tiny_model_writes_resumable_snapshots(tmp_path):
     model = tiny("qwen3")
     model.save_pretrained(tmp_path / "base")
     tokenizer.save_pretrained(tmp_path / "base")
-    config = RetrofitConfig(model=str(tmp_path / "base"), stages=[2, 4], ramp_steps=2, hold_steps=1,
-                            tokens_per_batch=300, k_max=4, window=4, checkpoint_every=1)
-    assert retrofit(config, steps=2, quiet=True) == []  # stopped before the first snapshot
+    config = RetrofitConfig(model=str(tmp_path / "base"), ratios=[2, 4], ramp_steps=2, hold_steps=1,
+                            tokens_per_batch=300, k_max=4, window=4, checkpoint_every=1, full_finetune=full_finetune)
+    assert retrofit(config, steps=2, quiet=True) == []  # stopped before the end: nothing exported yet
     written = retrofit(config, quiet=True)  # resumes at step 2
-    assert [p.name for p in written] == ["dms-2x.safetensors", "dms-4x.safetensors"]
-    assert read_adapter_metadata(written[1])["train_steps"] == 6
+    out = tmp_path / ("base-dms" if full_finetune else "base")
+    assert written == [out / "dms-2x.safetensors", out / "dms-4x.safetensors"]
+    assert read_adapter_metadata(written[1])["train_steps"] == 3
+    # Every adapter loads onto the weights it was trained with (fine-tuned ones: the new model directory).
+    trained, _ = load_model(out)
+    for path in written:
+        load_adapter(trained, path).detach()
+    if full_finetune:
+        with pytest.raises(AdapterError):
+            load_adapter(tiny("qwen3"), written[0])
     # The eviction target reproduces the named ratio on average over the lengths it was solved for.
     lengths = [60, 200, 900]
     fraction = eviction_target(4.0, 16, lengths)

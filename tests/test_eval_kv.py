@@ -41,7 +41,7 @@ def run(*args):
 def test_eval_compares_vanilla_dms_and_a_press(tiny_dir, easy_file, tmp_path):
     plot = tmp_path / "pareto.png"
     done = run("eval", "--model", str(tiny_dir), "--problems", str(easy_file), "--limit", "4", "--max-new-tokens", "60",
-               "--cr", "1", "2", "--press", "window", "--compression", "4", "--json", "--plot", str(plot))
+               "--cr", "1", "2", "--press", "window", "--compression", "4", "--json", "--plot", str(plot), "--workers", "0")
     assert done.returncode == 0, done.stderr
     runs = {r["method"]: r for r in json.loads(done.stdout)["runs"]}
     assert set(runs) == {"vanilla", "dms-2x", "window-4x"}

@@ -1,0 +1,51 @@
+"""``LocalPool``: one ModelWorker in this process, behind the same async interface as the Ray ``WorkerPool``.
+
+For tests, notebooks and the in-process SDK client: no cluster, no serialization, the same engine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import AsyncIterator
+
+from workers.thread import SamplingParams, ThreadResult
+from workers.worker import ModelWorker, ProblemRequest, WorkerConfig, WorkerStats
+
+
+class LocalPool:
+    def __init__(self, config: WorkerConfig | None = None):
+        self.worker = ModelWorker(config)
+        self.config = self.worker.config
+
+    async def run(self, request: ProblemRequest, worker=None) -> AsyncIterator[ThreadResult]:
+        async for result in self.worker.run(request):
+            yield result
+
+    async def collect(self, request: ProblemRequest, on_result=None) -> list[ThreadResult]:
+        results = []
+        async for result in self.run(request):
+            results.append(result)
+            if on_result is not None:
+                on_result(result)
+        return results
+
+    def solve(self, request: ProblemRequest, on_result=None) -> list[ThreadResult]:
+        return asyncio.run(self.collect(request, on_result))
+
+    async def cancel(self, request_id: str) -> int:
+        return self.worker.cancel(request_id)
+
+    async def stats(self) -> list[WorkerStats | None]:
+        return [self.worker.stats()]
+
+    async def fit(self, prompt: str, params: SamplingParams, cr: float) -> int:
+        return self.worker.fit(prompt, params, cr)
+
+    async def reset_peaks(self) -> None:
+        self.worker.reset_peak()
+
+    def info(self) -> dict:
+        return self.worker.info() | {"workers": 0}
+
+    def shutdown(self) -> None:
+        pass

@@ -1,0 +1,138 @@
+"""``WorkerPool``: ModelWorkers as Ray actors, one request routed to the worker with the most room.
+
+Joins the cluster at ``RAY_ADDRESS`` (or the one given) or starts a local one. Actors restart when they
+die (``max_restarts=-1``); a request whose worker died mid-run is sent again, to whichever worker then
+has the most room, for the threads not yet reported. Each thread's result is yielded exactly once: the
+pool keeps the set of sample indices still owed, and a thread's seed fixes its tokens, so a re-run
+thread is the same thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import uuid
+from dataclasses import replace
+from typing import AsyncIterator
+
+import ray
+import torch
+from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
+
+from workers.thread import ThreadResult
+from workers.worker import ModelWorker, ProblemRequest, WorkerConfig, WorkerStats
+
+WORKER_LOST = (RayActorError, ActorDiedError, ActorUnavailableError)
+
+
+def ensure_ray(address: str | None = None, num_cpus: int | None = None) -> None:
+    """Connect to ``address`` / ``$RAY_ADDRESS``, or start a local Ray instance in-process."""
+    if ray.is_initialized():
+        return
+    address = address or os.environ.get("RAY_ADDRESS")
+    if address:
+        ray.init(address=address, log_to_driver=False)
+    else:
+        ray.init(num_cpus=num_cpus or os.cpu_count(), include_dashboard=False, log_to_driver=False)
+
+
+class WorkerPool:
+    def __init__(self, config: WorkerConfig | None = None, num_workers: int = 1, address: str | None = None, max_retries: int = 3):
+        self.config = config or WorkerConfig()
+        ensure_ray(address, num_cpus=max(os.cpu_count() or 1, num_workers))
+        gpus = 1 if torch.cuda.is_available() and self.config.device in ("auto", "cuda") else 0
+        actor = ray.remote(ModelWorker).options(max_restarts=-1, num_cpus=0 if gpus else 1, num_gpus=gpus)
+        self.workers = [actor.remote(self.config) for _ in range(num_workers)]
+        ray.get([w.ping.remote() for w in self.workers])
+        self.max_retries = max_retries
+        self._running: dict[str, tuple[object, str]] = {}  # request id -> (worker, its id there)
+        self._outstanding = [0] * num_workers  # threads routed to each worker and not yet reported
+        self._cancelled: set[str] = set()
+
+    # -- routing -------------------------------------------------------------------------------------
+    async def _worker_stats(self, worker) -> WorkerStats | None:
+        try:
+            return await asyncio.wait_for(worker.stats.remote(), timeout=30)
+        except (asyncio.TimeoutError, *WORKER_LOST):
+            return None
+
+    async def pick(self) -> int:
+        """The live worker with the fewest threads outstanding from this pool (ties: the most unreserved KV).
+
+        Outstanding counts are kept here because a burst of requests is routed before any worker has
+        admitted (and so reserved memory for) the previous ones."""
+        stats = await asyncio.gather(*(self._worker_stats(w) for w in self.workers))
+        alive = [i for i, s in enumerate(stats) if s is not None]
+        if not alive:
+            return 0  # all restarting: queue on the first; Ray delivers once it is back
+        return min(alive, key=lambda i: (self._outstanding[i], stats[i].reserved_bytes - stats[i].pool_bytes))
+
+    # -- requests ------------------------------------------------------------------------------------
+    async def run(self, request: ProblemRequest, worker=None) -> AsyncIterator[ThreadResult]:
+        """Each thread's result as it finishes, exactly once, surviving worker deaths."""
+        owed = set(request.samples)
+        attempt = 0
+        while owed and request.request_id not in self._cancelled:
+            index = self.workers.index(worker) if (worker is not None and attempt == 0) else await self.pick()
+            target = self.workers[index]
+            sub_id = f"{request.request_id}/{attempt}"
+            self._running[request.request_id] = (target, sub_id)
+            sent = len(owed)
+            self._outstanding[index] += sent
+            try:
+                async for ref in target.run.remote(replace(request, request_id=sub_id, samples=tuple(sorted(owed)))):
+                    result: ThreadResult = await ref
+                    if result.sample_index in owed:
+                        owed.discard(result.sample_index)
+                        self._outstanding[index] -= 1
+                        sent -= 1
+                        yield replace(result, problem_id=request.request_id)
+                break  # the stream ended: done, or cancelled
+            except WORKER_LOST:
+                attempt += 1
+                if attempt > self.max_retries:
+                    raise
+            finally:
+                self._outstanding[index] -= sent
+                self._running.pop(request.request_id, None)
+        self._cancelled.discard(request.request_id)
+
+    async def collect(self, request: ProblemRequest, on_result=None) -> list[ThreadResult]:
+        results = []
+        async for result in self.run(request):
+            results.append(result)
+            if on_result is not None:
+                on_result(result)
+        return results
+
+    def solve(self, request: ProblemRequest, on_result=None) -> list[ThreadResult]:
+        """Blocking :meth:`collect` (for scripts and the CLI)."""
+        return asyncio.run(self.collect(request, on_result))
+
+    async def cancel(self, request_id: str) -> int:
+        self._cancelled.add(request_id)
+        running = self._running.get(request_id)
+        if running is None:
+            return 0
+        worker, sub_id = running
+        return await worker.cancel.remote(sub_id)
+
+    async def stats(self) -> list[WorkerStats | None]:
+        return list(await asyncio.gather(*(self._worker_stats(w) for w in self.workers)))
+
+    async def fit(self, prompt: str, params, cr: float) -> int:
+        return await self.workers[0].fit.remote(prompt, params, cr)
+
+    async def reset_peaks(self) -> None:
+        await asyncio.gather(*(w.reset_peak.remote() for w in self.workers))
+
+    def info(self) -> dict:
+        return ray.get(self.workers[0].info.remote()) | {"workers": len(self.workers)}
+
+    def shutdown(self) -> None:
+        for worker in self.workers:
+            ray.kill(worker, no_restart=True)
+
+
+def new_request_id() -> str:
+    return uuid.uuid4().hex[:12]

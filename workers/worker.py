@@ -1,0 +1,177 @@
+"""``ModelWorker``: one model, its DMS adapters and one engine, driven by a background loop.
+
+The class is plain Python (usable in-process); :mod:`workers.pool` hosts it as a Ray actor. Requests
+stream back one :class:`~workers.thread.ThreadResult` per thread as each finishes (``run`` is an async
+generator: under Ray, a streaming actor method). The engine is not thread-safe, so every call into it
+holds one lock; the loop releases the lock between steps, so submits and cancels wait one step at most.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import AsyncIterator
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field
+
+from dms_runtime.adapters import load_gates
+from dms_runtime.gate_bank import AdapterSet
+from dms_runtime.loading import default_model_path, kv_geometry, load_model
+from workers.engine import Engine
+from workers.thread import SamplingParams, ThreadResult
+
+DEFAULT_KV_BUDGET = 64 * 2**20
+
+
+class WorkerConfig(BaseModel):
+    """What a worker serves and with how much KV memory."""
+
+    model_config = ConfigDict(extra="forbid")
+    model: str = Field(default_factory=lambda: str(default_model_path()))
+    kv_budget_bytes: int | None = Field(None, gt=0)  # None: DEFAULT_KV_BUDGET on CPU, gpu_memory_fraction on GPU
+    gpu_memory_fraction: float = Field(0.5, gt=0, le=0.95)
+    max_running: int = Field(256, ge=1)
+    device: str = "auto"
+    torch_threads: int | None = Field(None, ge=1)
+
+
+@dataclass(frozen=True)
+class ProblemRequest:
+    """Threads ``samples`` (indices) of one problem; ``request_id`` is unique among a worker's requests."""
+
+    request_id: str
+    prompt: str
+    samples: tuple[int, ...]
+    params: SamplingParams = SamplingParams()
+    cr: float = 1.0
+
+
+@dataclass
+class WorkerStats:
+    pool_bytes: int
+    pool_used_bytes: int
+    pool_peak_bytes: int
+    reserved_bytes: int
+    running: int
+    waiting: int
+    tokens_generated: int
+    tokens_per_s: float
+    preemptions: int
+    ratios: list[float] = field(default_factory=list)
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def available_ratios(model_dir: str | Path) -> list[float]:
+    """The compression ratios with an adapter file beside the model (``dms-<cr>x.safetensors``)."""
+    ratios = []
+    for path in Path(model_dir).glob("dms-*x.safetensors"):
+        try:
+            ratios.append(float(path.name[len("dms-") : -len("x.safetensors")]))
+        except ValueError:
+            continue
+    return sorted(ratios)
+
+
+def build_engine(config: WorkerConfig) -> Engine:
+    device = config.device if config.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    model, tokenizer = load_model(config.model, device=device, dtype=dtype)
+    adapters = {cr: load_gates(model, Path(config.model) / f"dms-{cr:g}x.safetensors") for cr in available_ratios(config.model)}
+    budget = config.kv_budget_bytes
+    if budget is None:
+        budget = int(torch.cuda.mem_get_info()[0] * config.gpu_memory_fraction) if device == "cuda" else DEFAULT_KV_BUDGET
+    return Engine(model, tokenizer, AdapterSet(model, adapters), budget, config.max_running)
+
+
+class ModelWorker:
+    def __init__(self, config: WorkerConfig | None = None):
+        config = config or WorkerConfig()
+        if config.torch_threads:
+            torch.set_num_threads(config.torch_threads)
+        self.config = config
+        self.engine = build_engine(config)
+        self._lock = threading.Lock()
+        self._work = threading.Event()
+        self._listeners: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._loop_thread = threading.Thread(target=self._loop, name="engine-loop", daemon=True)
+        self._loop_thread.start()
+
+    # -- the engine loop -----------------------------------------------------------------------------
+    def _loop(self) -> None:
+        while True:
+            self._work.wait()
+            with self._lock:
+                if not self.engine.has_work():
+                    self._work.clear()
+                    continue
+                results = self.engine.step()
+            for result in results:
+                self._deliver(result.problem_id, result)
+
+    def _deliver(self, request_id: str, item) -> None:
+        listener = self._listeners.get(request_id)
+        if listener is not None:
+            loop, queue = listener
+            loop.call_soon_threadsafe(queue.put_nowait, item)
+
+    # -- the API -------------------------------------------------------------------------------------
+    async def run(self, request: ProblemRequest) -> AsyncIterator[ThreadResult]:
+        """Yield each thread's result as it finishes (all of ``request.samples``, unless cancelled)."""
+        if request.request_id in self._listeners:
+            raise ValueError(f"request {request.request_id!r} is already running on this worker")
+        queue: asyncio.Queue = asyncio.Queue()
+        self._listeners[request.request_id] = (asyncio.get_running_loop(), queue)
+        try:
+            with self._lock:
+                self.engine.submit(request.request_id, request.prompt, list(request.samples), request.params, request.cr)
+            self._work.set()
+            for _ in request.samples:
+                item = await queue.get()
+                if item is None:  # cancelled
+                    return
+                yield item
+        finally:
+            self._listeners.pop(request.request_id, None)
+            with self._lock:
+                self.engine.cancel(request.request_id)  # a consumer that went away frees its threads
+
+    def cancel(self, request_id: str) -> int:
+        """Stop a request's threads now; their KV slots are free when this returns."""
+        with self._lock:
+            stopped = self.engine.cancel(request_id)
+        self._deliver(request_id, None)
+        return stopped
+
+    def fit(self, prompt: str, params: SamplingParams, cr: float) -> int:
+        with self._lock:
+            return self.engine.fit(prompt, params, cr)
+
+    def stats(self) -> WorkerStats:
+        with self._lock:
+            s = self.engine.stats()
+            reserved = self.engine.scheduler.reserved() * self.engine.pool.slot_bytes
+        return WorkerStats(s.pool_bytes, s.pool_used_bytes, s.pool_peak_bytes, reserved, s.running, s.waiting,
+                           s.tokens_generated, s.tokens_per_s, s.preemptions, list(self.engine.adapters.ratios))
+
+    def reset_peak(self) -> None:
+        """Start a new high-water mark (a measurement that wants its own KV peak)."""
+        with self._lock:
+            self.engine.pool.high_water = self.engine.pool.used
+
+    def info(self) -> dict:
+        return {
+            "model": self.config.model,
+            "ratios": [1.0] + list(self.engine.adapters.ratios),
+            "kv_budget_bytes": self.engine.pool.budget_bytes,
+            "geometry": kv_geometry(self.engine.model).as_dict(),
+            "device": str(self.engine.pool.keys.device),
+        }
+
+    def ping(self) -> float:
+        return time.time()
