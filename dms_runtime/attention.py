@@ -93,11 +93,19 @@ def dms_attention(module, query, key, value, attention_mask, dropout=0.0, scalin
 
 
 def _sdpa(module, query, key, value, visible: torch.Tensor, scaling):
-    groups = query.shape[1] // key.shape[1]
-    key, value = _expand_groups(key, groups), _expand_groups(value, groups)
-    mask = _expand_groups(visible, groups) if visible.shape[1] > 1 else visible
-    out = F.scaled_dot_product_attention(query, key.to(query.dtype), value.to(query.dtype), attn_mask=mask, scale=scaling)
-    return out.transpose(1, 2).contiguous(), None
+    """Attention of ``query [B, Hq, q, D]`` over ``key/value [B, Hkv, k, D]`` with a per-KV-head mask.
+
+    The query heads of a KV group are folded into that group's query axis, so keys and values are never
+    repeated per query head (the mask, one byte per entry, is repeated when q > 1)."""
+    batch, heads, q_len, dim = query.shape
+    kv_heads = key.shape[1]
+    groups = heads // kv_heads
+    folded = query.reshape(batch, kv_heads, groups * q_len, dim)
+    mask = visible if visible.shape[1] == kv_heads else visible.expand(-1, kv_heads, -1, -1)
+    if q_len > 1 and groups > 1:
+        mask = mask[:, :, None].expand(-1, -1, groups, -1, -1).reshape(mask.shape[0], kv_heads, groups * q_len, -1)
+    out = F.scaled_dot_product_attention(folded, key.to(query.dtype), value.to(query.dtype), attn_mask=mask, scale=scaling)
+    return out.reshape(batch, heads, q_len, dim).transpose(1, 2).contiguous(), None
 
 
 def _train_attention(module, state: LayerState, query, key, value, attention_mask, scaling):

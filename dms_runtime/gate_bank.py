@@ -9,6 +9,9 @@ query neuron changes the model's own projection for every row.
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+from typing import Iterator
+
 import torch
 from torch import nn
 
@@ -86,3 +89,12 @@ class AdapterSet:
 
     def detach(self) -> None:
         self.handle.detach()
+
+    @contextmanager
+    def detached(self) -> Iterator[None]:
+        """The bare model inside the block (e.g. for Hugging Face ``generate``); the banks come back after."""
+        self.handle.detach()
+        try:
+            yield
+        finally:
+            self.handle = attach_dms(self.handle.model, self.banks, DMSConfig())

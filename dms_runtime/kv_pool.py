@@ -26,6 +26,9 @@ class KVPool:
         self.keys = torch.zeros(self.capacity, head_dim, dtype=dtype, device=device)
         self.values = torch.zeros(self.capacity, head_dim, dtype=dtype, device=device)
         self.refs = torch.zeros(self.capacity, dtype=torch.int32, device=device)
+        # Free slots as a stack (top = the end): allocation pops, release pushes; no scan of the pool.
+        self._free = torch.arange(self.capacity - 1, -1, -1, dtype=torch.long, device=device)
+        self._top = self.capacity
         self.used = 0
         self.high_water = 0
 
@@ -46,10 +49,11 @@ class KVPool:
         return self.high_water * self.slot_bytes
 
     def allocate(self, count: int) -> torch.Tensor:
-        """``count`` free slots (lowest indices first), each now referenced once."""
+        """``count`` free slots, each now referenced once."""
         if count > self.free:
             raise PoolExhausted(f"needed {count} KV slots, {self.free} of {self.capacity} free")
-        slots = torch.nonzero(self.refs == 0)[:count, 0]
+        self._top -= count
+        slots = self._free[self._top : self._top + count].flip(0)
         self.refs[slots] = 1
         self.used += count
         self.high_water = max(self.high_water, self.used)
@@ -68,7 +72,10 @@ class KVPool:
         touched = slots.unique()
         if bool((self.refs[touched] < 0).any()):
             raise RuntimeError("KV slot released more often than it was referenced")
-        self.used -= int((self.refs[touched] == 0).sum())
+        freed = touched[self.refs[touched] == 0]
+        self._free[self._top : self._top + len(freed)] = freed
+        self._top += len(freed)
+        self.used -= len(freed)
 
     def write(self, slots: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None:
         self.keys[slots] = keys.to(self.keys.dtype)

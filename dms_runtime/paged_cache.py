@@ -85,9 +85,12 @@ class PagedLayer(CacheLayerMixin):
             width = self.table.shape[2] + max(shortfall, GROWTH)
             self.table, self.pos, self.evict = _widen(self.table, width, -1), _widen(self.pos, width, -1), _widen(self.evict, width, False)
             free = self.table < 0
-        columns = self.table.shape[2]
-        order = torch.where(free, 0, columns) + torch.arange(columns, device=free.device)
-        target = order.topk(q_len, dim=-1, largest=False).indices  # [rows, heads, q]: the lowest free entries
+        if q_len == 1:  # decoding: the first free entry of every head
+            target = free.to(torch.uint8).argmax(-1, keepdim=True)
+        else:
+            columns = self.table.shape[2]
+            order = torch.where(free, 0, columns) + torch.arange(columns, device=free.device)
+            target = order.topk(q_len, dim=-1, largest=False).indices  # [rows, heads, q]: the lowest free entries
         slots = self.pool.allocate(rows * heads * q_len).view(rows, heads, q_len)
         self.pool.write(slots.flatten(), key_states.reshape(-1, dim), value_states.reshape(-1, value_states.shape[-1]))
         new_pos = start[:, None, None] + torch.arange(q_len, device=start.device)
@@ -104,6 +107,8 @@ class PagedLayer(CacheLayerMixin):
     def _apply_marks(self, start: torch.Tensor, q_len: int) -> None:
         """The logit at position t marks token t-1: this pass's logits decide tokens start-1 .. start+q-2."""
         if self.pending_logits is None:
+            return
+        if not bool((self.pending_logits > 0).any()):  # nothing marked (vanilla rows, or a quiet step)
             return
         marks = (self.pending_logits > 0).transpose(1, 2).expand(-1, self.table.shape[1], -1)  # [rows, heads, q]
         relative = self.pos - (start - 1)[:, None, None]

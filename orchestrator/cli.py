@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import sys
 import time
@@ -89,6 +90,8 @@ def build_parser() -> argparse.ArgumentParser:
     solve.add_argument("prompt", help="a chain problem, e.g. 'a=1;b=2;c=a+b;?c'")
     add_sampling(solve)
     add_model(solve)
+    solve.add_argument("--cr", type=bounded(float, 1, 64), default=1.0, help="DMS compression ratio (1 = vanilla)")
+    solve.add_argument("--workers", type=bounded(int, 0, 64), default=1, help="Ray worker actors (0: in this process)")
     solve.add_argument("--json", action="store_true", help="print one JSON object")
 
     evaluate = commands.add_parser("eval", help="evaluate a problem file")
@@ -111,6 +114,18 @@ def build_parser() -> argparse.ArgumentParser:
     evaluate.add_argument("--json", action="store_true", help="print one JSON summary object")
     evaluate.add_argument("--plot", type=Path, default=None, help="draw accuracy by k to this PNG")
     evaluate.add_argument("--output", type=Path, default=None, help="write per-problem results (JSONL)")
+
+    bench = commands.add_parser("bench", help="benchmarks that print JSON").add_subparsers(dest="bench", required=True)
+    throughput = bench.add_parser("throughput", help="threads and tokens/s that one KV budget buys, per method")
+    throughput.add_argument("--kv-budget", type=byte_size, required=True, help="the pool size, e.g. 12MB")
+    throughput.add_argument("--max-new-tokens", type=bounded(int, 16, 8192), default=settings.sampling.max_new_tokens)
+    throughput.add_argument("--prompts", type=bounded(int, 1, 64), default=4, help="hard problems (k 16-20) the threads share")
+    throughput.add_argument("--cr", type=bounded(float, 1, 64), nargs="+", default=None,
+                            help="engine ratios to run (default: 1 and every adapter beside the model)")
+    throughput.add_argument("--seed", type=int, default=0)
+    throughput.add_argument("--json", action="store_true")
+    throughput.add_argument("--plot", type=Path, default=None, help="draw threads and tokens/s per method to this PNG")
+    add_model(throughput)
 
     info = commands.add_parser("info", help="the model served by default and its KV geometry")
     add_model(info)
@@ -146,7 +161,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     handler = {"solve": cmd_solve, "eval": cmd_eval, "info": cmd_info, "generate": cmd_generate, "train": cmd_train,
-               "retrofit": cmd_retrofit}
+               "retrofit": cmd_retrofit, "bench": cmd_bench}
     return handler[args.command](args, parser)
 
 
@@ -162,32 +177,38 @@ def _load(args, parser):
 
 
 def cmd_solve(args, parser) -> int:
+    from dms_runtime.loading import default_model_path
     from policies.voting import majority_vote
     from tasks.chain import ProblemError, parse_problem
     from tasks.prompt import format_prompt
-    from workers.batch_generate import SamplingParams, generate_threads
+    from workers.thread import SamplingParams
+    from workers.worker import ProblemRequest, available_ratios
 
     try:
         parse_problem(args.prompt)
     except ProblemError as error:
         parser.error(f"argument prompt: {error}")
-    model, tokenizer, _ = _load(args, parser)
+    model_dir = args.model or default_model_path()
+    if not (Path(model_dir) / "config.json").is_file():
+        parser.error(f"argument --model: no model at {model_dir}: expected a Hugging Face checkpoint directory with config.json")
+    if args.cr != 1 and args.cr not in available_ratios(model_dir):
+        parser.error(f"argument --cr: no DMS adapter for {args.cr:g}x beside {model_dir}")
     started = time.perf_counter()
-    sampling = SamplingParams(
-        temperature=0.0 if args.samples == 1 else args.temperature,
-        top_p=args.top_p,
-        max_new_tokens=args.max_new_tokens,
-        seed=args.seed,
-    )
-    result = generate_threads(model, tokenizer, [format_prompt(args.prompt)], args.samples, sampling, progress=False)
-    vote = majority_vote([t.answer for t in result.threads])
+    pool = make_pool(model_dir, None, args.workers)
+    params = SamplingParams(0.0 if args.samples == 1 else args.temperature, args.top_p, args.max_new_tokens, args.seed)
+    threads = pool.solve(ProblemRequest("solve", format_prompt(args.prompt), tuple(range(args.samples)), params, args.cr))
+    stats = [s for s in asyncio.run(pool.stats()) if s is not None]
+    pool.shutdown()
+    vote = majority_vote([t.answer for t in threads])
     report = {
         "prompt": args.prompt,
         "answer": vote.answer,
         "votes": vote.counts,
         "samples": args.samples,
-        "tokens": result.tokens_generated,
-        "kv_peak_bytes": result.kv_peak_bytes,
+        "cr": args.cr,
+        "tokens": sum(t.tokens for t in threads),
+        "realized_cr": sum(t.realized_cr for t in threads) / len(threads),
+        "kv_peak_bytes": max(s.pool_peak_bytes for s in stats),
         "time_s": round(time.perf_counter() - started, 3),
     }
     if args.json:
@@ -231,8 +252,6 @@ def make_pool(model_dir, kv_budget: int | None, workers: int):
 
 
 def cmd_eval(args, parser) -> int:
-    import asyncio
-
     from orchestrator.evaluate import EvalOptions, evaluate, evaluate_on_pool
     from orchestrator.plots import plot_accuracy_by_k, plot_pareto
     from tasks.jsonl import ProblemFileError, read_problems, write_jsonl
@@ -298,8 +317,6 @@ def cmd_eval(args, parser) -> int:
 
 def check_budget(parser, pool, problems: list[dict], options, methods) -> None:
     """Refuse, before any work, a KV budget that cannot hold one thread of the longest problem."""
-    import asyncio
-
     from tasks.prompt import format_prompt
     from workers.thread import SamplingParams
 
@@ -311,6 +328,31 @@ def check_budget(parser, pool, problems: list[dict], options, methods) -> None:
             pool.shutdown()
             parser.error(f"argument --kv-budget: {pool.info()['kv_budget_bytes']} bytes cannot hold one thread "
                          f"({options.max_new_tokens} new tokens at {cr:g}x) of the longest problem")
+
+
+def cmd_bench(args, parser) -> int:
+    from dms_runtime.loading import default_model_path
+    from orchestrator.bench import bench_throughput
+    from orchestrator.plots import plot_throughput
+    from workers.worker import available_ratios
+
+    model_dir = args.model or default_model_path()
+    missing = [cr for cr in args.cr or [] if cr != 1 and cr not in available_ratios(model_dir)]
+    if missing:
+        parser.error(f"argument --cr: no DMS adapter for {missing[0]:g}x beside {model_dir}")
+    report = bench_throughput(model_dir, args.kv_budget, args.max_new_tokens, args.prompts, args.seed, ratios=args.cr,
+                              progress=lambda line: print(line, file=sys.stderr))
+    if not any(run["threads"] for run in report["runs"][1:]):
+        parser.error(f"argument --kv-budget: {args.kv_budget} bytes cannot hold one thread of {args.max_new_tokens} tokens")
+    if args.plot:
+        plot_throughput(report, args.plot)
+    if args.json:
+        print(json.dumps(report))
+    else:
+        for run in report["runs"]:
+            print(f"{run['method']:>11} {run['cr']:>4g}x  threads={run['threads']:>4}  tokens/s={run['tokens_per_s']:8.1f}  "
+                  f"kv_peak_bytes={run['kv_peak_bytes']}")
+    return 0
 
 
 def cmd_info(args, parser) -> int:

@@ -48,3 +48,22 @@ def plot_pareto(runs: list[dict], path: str | Path, title: str = "accuracy again
     axes.set_xscale("log", base=2)
     axes.set_xlabel("realized compression (tokens processed / tokens held per head)")
     return _finish(figure, axes, title, path)
+
+
+def plot_throughput(report: dict, path: str | Path) -> Path:
+    """Concurrent threads and tokens/s per method at one KV budget (two bar panels)."""
+    runs = report["runs"]
+    labels = [r["method"] if r["method"] != "engine" else f"engine {r['cr']:g}x" for r in runs]
+    figure, (threads, speed) = plt.subplots(1, 2, figsize=(10, 4))
+    threads.bar(labels, [r["threads"] for r in runs], color="tab:blue")
+    threads.set_ylabel("concurrent threads")
+    speed.bar(labels, [r["tokens_per_s"] for r in runs], color="tab:green")
+    speed.set_ylabel("tokens / s")
+    for axes in (threads, speed):
+        axes.tick_params(axis="x", rotation=30)
+        axes.grid(alpha=0.3, axis="y")
+    figure.suptitle(f"one KV pool of {report['kv_budget_bytes'] / 1e6:.1f} MB, {report['max_new_tokens']} new tokens per thread")
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
+    return Path(path)

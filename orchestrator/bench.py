@@ -1,0 +1,93 @@
+"""``thinkpool bench throughput``: what one KV budget buys, side by side in one run.
+
+At a fixed pool size every method decodes sampled threads of the same hard problems:
+
+* ``hf-generate``: Hugging Face ``generate`` on the vanilla model with the largest batch whose dense
+  cache (prompt + token limit, every row) fits the budget;
+* ``engine`` at CR 1 and with each DMS adapter: as many threads as the engine's admission control
+  holds at once in that pool.
+
+Every run reports its concurrent threads, tokens/s and the KV peak (never above the budget).
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import torch
+
+from tasks.chain import generate_suite
+from tasks.prompt import format_prompt
+from workers.thread import SamplingParams
+
+
+def hard_prompts(count: int, seed: int = 4242) -> list[str]:
+    return [format_prompt(p["prompt"]) for p in generate_suite(count, 16, 20, seed=seed)]
+
+
+@torch.inference_mode()
+def bench_hf_generate(model, tokenizer, prompts: list[str], budget: int, params: SamplingParams) -> dict:
+    """The largest batch whose dense cache fits ``budget``, decoded by ``model.generate``."""
+    from dms_runtime.loading import kv_geometry
+
+    per_token = kv_geometry(model).kv_bytes_per_token
+    longest = max(len(tokenizer(p)["input_ids"]) for p in prompts)
+    batch = budget // (per_token * (longest + params.max_new_tokens))
+    if batch < 1:
+        return {"method": "hf-generate", "cr": 1, "threads": 0, "tokens_per_s": 0.0, "kv_peak_bytes": 0}
+    rows = [prompts[i % len(prompts)] for i in range(batch)]
+    encoded = tokenizer(rows, return_tensors="pt", padding=True)
+    torch.manual_seed(params.seed)
+    started = time.perf_counter()
+    out = model.generate(**encoded, do_sample=True, temperature=params.temperature, top_p=params.top_p,
+                         max_new_tokens=params.max_new_tokens, pad_token_id=tokenizer.pad_token_id)
+    elapsed = time.perf_counter() - started
+    generated = out[:, encoded["input_ids"].shape[1]:]
+    finished = generated == tokenizer.eos_token_id
+    # Tokens up to and including each row's EOS; the padding after it is not useful work.
+    useful = torch.where(finished.any(-1), finished.int().argmax(-1) + 1, torch.full((batch,), generated.shape[1])).sum()
+    return {
+        "method": "hf-generate", "cr": 1, "threads": batch, "tokens_per_s": float(useful) / elapsed,
+        "kv_peak_bytes": batch * out.shape[1] * per_token, "tokens": int(useful), "elapsed_s": round(elapsed, 3),
+    }
+
+
+def bench_engine(engine, prompts: list[str], cr: float, params: SamplingParams) -> dict:
+    """As many threads as fit at once in the engine's pool at ratio ``cr``, spread over ``prompts``."""
+    threads = engine.fit(prompts[0], params, cr)
+    per_prompt = [threads // len(prompts) + (i < threads % len(prompts)) for i in range(len(prompts))]
+    engine.pool.high_water = 0
+    tokens_before, peak_running = engine.tokens_generated, 0
+    started = time.perf_counter()
+    for i, (prompt, n) in enumerate(zip(prompts, per_prompt)):
+        if n:
+            engine.submit(f"bench-{cr:g}-{i}", prompt, list(range(n)), SamplingParams(
+                params.temperature, params.top_p, params.max_new_tokens, params.seed + i), cr)
+    while engine.has_work():
+        engine.step()
+        peak_running = max(peak_running, len(engine.rows))
+    elapsed = time.perf_counter() - started
+    tokens = engine.tokens_generated - tokens_before
+    return {
+        "method": "engine", "cr": cr, "threads": peak_running, "tokens_per_s": tokens / elapsed,
+        "kv_peak_bytes": engine.pool.high_water_bytes, "tokens": tokens, "elapsed_s": round(elapsed, 3),
+        "preemptions": engine.preemptions,
+    }
+
+
+def bench_throughput(model_dir: str | Path, budget: int, max_new_tokens: int, prompts: int = 4, seed: int = 0,
+                     temperature: float = 0.8, ratios: list[float] | None = None, progress=print) -> dict:
+    from workers.worker import WorkerConfig, build_engine
+
+    engine = build_engine(WorkerConfig(model=str(model_dir), kv_budget_bytes=budget))
+    params = SamplingParams(temperature, 1.0, max_new_tokens, seed)
+    texts = hard_prompts(prompts)
+    ratios = [1.0] + list(engine.adapters.ratios) if ratios is None else ratios
+    progress("hf-generate ...")
+    with engine.adapters.detached():
+        runs = [bench_hf_generate(engine.model, engine.tokenizer, texts, engine.pool.budget_bytes, params)]
+    for cr in ratios:
+        progress(f"engine at {cr:g}x ...")
+        runs.append(bench_engine(engine, texts, cr, params))
+    return {"kv_budget_bytes": engine.pool.budget_bytes, "max_new_tokens": max_new_tokens, "prompts": prompts, "runs": runs}
