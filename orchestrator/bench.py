@@ -91,3 +91,31 @@ def bench_throughput(model_dir: str | Path, budget: int, max_new_tokens: int, pr
         progress(f"engine at {cr:g}x ...")
         runs.append(bench_engine(engine, texts, cr, params))
     return {"kv_budget_bytes": engine.pool.budget_bytes, "max_new_tokens": max_new_tokens, "prompts": prompts, "runs": runs}
+
+
+def bench_overhead(pool, prompt: str, samples: int, max_new_tokens: int, repeats: int = 3) -> dict:
+    """Wall time of a ``samples``-thread solve through ``pool`` against the engine's own busy time for it.
+
+    Both clocks cover the same request in the same run, so the difference is what the path around the
+    engine costs (Ray actor calls, serialization, streaming, asyncio), not machine noise between runs."""
+    import asyncio
+
+    from workers.worker import ProblemRequest
+
+    async def one(index: int) -> tuple[float, float]:
+        before = [s for s in await pool.stats() if s is not None]
+        started = time.perf_counter()
+        await pool.collect(ProblemRequest(f"overhead-{index}", prompt, tuple(range(samples)),
+                                          SamplingParams(0.8, 1.0, max_new_tokens, index)))
+        wall = time.perf_counter() - started
+        after = [s for s in await pool.stats() if s is not None]
+        return wall, sum(a.busy_s for a in after) - sum(b.busy_s for b in before)
+
+    async def all_runs():
+        await one(-1)  # warm-up: first-call costs are not per-request overhead
+        return [await one(i) for i in range(repeats)]
+
+    runs = asyncio.run(all_runs())
+    wall, busy = sum(w for w, _ in runs), sum(b for _, b in runs)
+    return {"samples": samples, "repeats": repeats, "wall_s": round(wall, 3), "engine_busy_s": round(busy, 3),
+            "overhead_fraction": (wall - busy) / busy if busy else None}

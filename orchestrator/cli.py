@@ -126,6 +126,13 @@ def build_parser() -> argparse.ArgumentParser:
     throughput.add_argument("--json", action="store_true")
     throughput.add_argument("--plot", type=Path, default=None, help="draw threads and tokens/s per method to this PNG")
     add_model(throughput)
+    overhead = bench.add_parser("overhead", help="what the path around the engine costs for one multi-thread solve")
+    overhead.add_argument("--samples", type=bounded(int, 1, 256), default=16)
+    overhead.add_argument("--max-new-tokens", type=bounded(int, 16, 8192), default=settings.sampling.max_new_tokens)
+    overhead.add_argument("--repeats", type=bounded(int, 1, 100), default=3)
+    overhead.add_argument("--workers", type=bounded(int, 0, 64), default=1, help="Ray worker actors (0: in this process)")
+    overhead.add_argument("--json", action="store_true")
+    add_model(overhead)
 
     info = commands.add_parser("info", help="the model served by default and its KV geometry")
     add_model(info)
@@ -331,6 +338,8 @@ def check_budget(parser, pool, problems: list[dict], options, methods) -> None:
 
 
 def cmd_bench(args, parser) -> int:
+    if args.bench == "overhead":
+        return cmd_bench_overhead(args, parser)
     from dms_runtime.loading import default_model_path
     from orchestrator.bench import bench_throughput
     from orchestrator.plots import plot_throughput
@@ -352,6 +361,22 @@ def cmd_bench(args, parser) -> int:
         for run in report["runs"]:
             print(f"{run['method']:>11} {run['cr']:>4g}x  threads={run['threads']:>4}  tokens/s={run['tokens_per_s']:8.1f}  "
                   f"kv_peak_bytes={run['kv_peak_bytes']}")
+    return 0
+
+
+def cmd_bench_overhead(args, parser) -> int:
+    from dms_runtime.loading import default_model_path
+    from orchestrator.bench import bench_overhead, hard_prompts
+
+    pool = make_pool(args.model or default_model_path(), None, args.workers)
+    report = bench_overhead(pool, hard_prompts(1)[0], args.samples, args.max_new_tokens, args.repeats)
+    pool.shutdown()
+    report["path"] = "ray" if args.workers else "in-process"
+    if args.json:
+        print(json.dumps(report))
+    else:
+        print(f"{report['path']}: wall {report['wall_s']}s, engine busy {report['engine_busy_s']}s, "
+              f"overhead {100 * report['overhead_fraction']:.1f}%")
     return 0
 
 

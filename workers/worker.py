@@ -61,6 +61,7 @@ class WorkerStats:
     tokens_generated: int
     tokens_per_s: float
     preemptions: int
+    busy_s: float = 0.0  # time the engine spent stepping
     ratios: list[float] = field(default_factory=list)
 
     def as_dict(self) -> dict:
@@ -157,7 +158,7 @@ class ModelWorker:
             s = self.engine.stats()
             reserved = self.engine.scheduler.reserved() * self.engine.pool.slot_bytes
         return WorkerStats(s.pool_bytes, s.pool_used_bytes, s.pool_peak_bytes, reserved, s.running, s.waiting,
-                           s.tokens_generated, s.tokens_per_s, s.preemptions, list(self.engine.adapters.ratios))
+                           s.tokens_generated, s.tokens_per_s, s.preemptions, s.busy_s, list(self.engine.adapters.ratios))
 
     def reset_peak(self) -> None:
         """Start a new high-water mark (a measurement that wants its own KV peak)."""
