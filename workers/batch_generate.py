@@ -1,4 +1,7 @@
-"""Batched generation for many threads: each prompt prefilled once, finished threads leave the batch.
+"""The reference decode loop: batched generation over a Hugging Face cache, one group of threads at a time.
+
+The engine (:mod:`workers.engine`) is what serves; this loop remains for the kvpress baselines, whose
+presses shrink a dense Hugging Face cache, and as the simple reference the engine is checked against.
 
 A plain decode loop over a transformers ``DynamicCache``: prompts are left-padded and prefilled in one
 forward pass, every prompt's cache is repeated for its threads, and each step samples one token per
@@ -20,16 +23,8 @@ from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
 
 from dms_runtime.cache import DMSCache
 from policies.extraction import extract_chain_answer
-
-
-@dataclass(frozen=True)
-class SamplingParams:
-    """How threads are decoded: ``temperature == 0`` is greedy."""
-
-    temperature: float = 0.0
-    top_p: float = 1.0
-    max_new_tokens: int = 1536
-    seed: int = 0
+from workers.sampler import sample_rows
+from workers.thread import SamplingParams
 
 
 @dataclass
@@ -90,19 +85,9 @@ def thread_seed(seed: int, problem_index: int, sample_index: int) -> int:
 
 
 def sample_next(logits: torch.Tensor, sampling: SamplingParams, generators: list[torch.Generator]) -> torch.Tensor:
-    """One token per row: argmax when greedy, else temperature + nucleus sampling with per-row generators."""
-    if sampling.temperature == 0:
-        return logits.argmax(dim=-1)
-    probs = torch.softmax(logits.float() / sampling.temperature, dim=-1)
-    if sampling.top_p < 1.0:
-        sorted_probs, order = probs.sort(dim=-1, descending=True)
-        outside = sorted_probs.cumsum(dim=-1) - sorted_probs > sampling.top_p
-        probs = probs.scatter(-1, order, sorted_probs.masked_fill(outside, 0.0))
-    uniform = torch.stack([torch.rand(1, generator=g) for g in generators]).to(probs.device)
-    # Inverse-CDF sampling: one uniform draw per row, from that row's own generator.
-    cdf = probs.cumsum(dim=-1)
-    index = (cdf < uniform * cdf[:, -1:]).sum(dim=-1)
-    return index.clamp_max(probs.shape[-1] - 1)
+    """One token per row, every row with the same parameters (see :func:`workers.sampler.sample_rows`)."""
+    rows = logits.shape[0]
+    return sample_rows(logits, torch.full((rows,), sampling.temperature), torch.full((rows,), sampling.top_p), generators)
 
 
 @torch.inference_mode()
