@@ -23,3 +23,34 @@ def easy_file(tmp_path_factory):
     path = tmp_path_factory.mktemp("problems") / "easy.jsonl"
     write_jsonl(path, generate_suite(12, 1, 3, seed=12345))
     return path
+
+
+@pytest.fixture(scope="session")
+def redis_url(tmp_path_factory):
+    """A real redis-server (Debian's package, installed by scripts/test.sh) on a free loopback port."""
+    import shutil
+    import socket
+    import subprocess
+    import time
+
+    import redis
+
+    binary = shutil.which("redis-server")
+    assert binary, "redis-server is not installed: run scripts/test.sh (it installs Debian's redis-server)"
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    workdir = tmp_path_factory.mktemp("redis")
+    server = subprocess.Popen([binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+                               "--dir", str(workdir)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"redis://127.0.0.1:{port}/0"
+    client = redis.Redis.from_url(url)
+    for _ in range(100):
+        try:
+            client.ping()
+            break
+        except redis.ConnectionError:
+            time.sleep(0.05)
+    yield url
+    server.terminate()
+    server.wait(timeout=10)
