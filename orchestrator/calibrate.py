@@ -1,0 +1,49 @@
+"""``thinkpool calibrate``: measure the planner's profile on the workers.
+
+For every difficulty bin and ratio, ``threads`` sampled threads run on each of ``problems`` fresh
+problems. Vote accuracy for n = 1, 2, 4, ... threads is estimated from those threads by averaging the
+majority vote over random n-subsets (so one run gives every n), along with the mean tokens per thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+
+from policies.extraction import answers_match
+from policies.planner import CalibrationProfile, ProfileEntry
+from policies.voting import majority_vote
+from tasks.chain import generate_suite
+from tasks.prompt import format_prompt
+from workers.thread import SamplingParams
+from workers.worker import ProblemRequest
+
+
+def vote_accuracy(answers: list[str | None], expected: str, n: int, rng: random.Random, draws: int = 64) -> float:
+    """Expected correctness of a majority vote over n threads drawn from ``answers``."""
+    if n >= len(answers):
+        return float(answers_match(majority_vote(answers).answer, expected))
+    return sum(answers_match(majority_vote(rng.sample(answers, n)).answer, expected) for _ in range(draws)) / draws
+
+
+async def calibrate(pool, bins: list[tuple[int, int]], ratios: list[float], problems: int, threads: int,
+                    max_new_tokens: int, temperature: float, seed: int, model: str, window: int, progress=print) -> CalibrationProfile:
+    rng = random.Random(seed)
+    counts = [n for n in (1, 2, 4, 8, 16, 32, 64, 128) if n <= threads]
+    entries: list[ProfileEntry] = []
+    for low, high in bins:
+        suite = generate_suite(problems, low, high, seed=seed + low)
+        for cr in ratios:
+            requests = [
+                ProblemRequest(f"calibrate-{low}-{cr:g}-{i}", format_prompt(p["prompt"]), tuple(range(threads)),
+                               SamplingParams(temperature, 1.0, max_new_tokens, seed * 7919 + i), cr)
+                for i, p in enumerate(suite)
+            ]
+            results = await asyncio.gather(*(pool.collect(r) for r in requests))
+            tokens = [t.tokens for group in results for t in group]
+            for n in counts:
+                accuracy = sum(vote_accuracy([t.answer for t in group], p["answer"], n, rng) for p, group in zip(suite, results))
+                entries.append(ProfileEntry(k_min=low, k_max=high, cr=cr, threads=n, accuracy=accuracy / len(suite),
+                                            tokens_per_thread=sum(tokens) / len(tokens)))
+            progress(f"k {low}-{high} at {cr:g}x: " + ", ".join(f"vote@{e.threads} {e.accuracy:.2f}" for e in entries[-len(counts):]))
+    return CalibrationProfile(model=model, max_new_tokens=max_new_tokens, temperature=temperature, window=window, entries=entries)

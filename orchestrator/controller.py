@@ -1,0 +1,228 @@
+"""The controller: a LangGraph ``StateGraph`` that chooses, per task, the compression ratio and thread count.
+
+    assess -> plan -> dispatch -> run_chunk (one per 4 threads, in parallel) -> aggregate -> decide
+                          ^                                                                 |
+                          +---------------------- escalate (more threads, a higher ratio) --+--> END
+
+* ``assess`` estimates the difficulty (the chain task's k; unknown tasks are treated as the hardest bin);
+* ``plan`` asks the planner for (ratio, threads, token limit) within the task's KV budget;
+* ``dispatch`` opens a round: the first round is small (``first_round`` threads); later rounds double;
+* ``run_chunk`` runs a few threads on the workers (one request, prompt shared); each chunk is its own
+  LangGraph task, so its results are saved as pending writes the moment it finishes: a controller killed
+  mid-round and restarted from its checkpoint reruns only the chunks that had not finished;
+* ``aggregate`` votes over every thread so far (majority, or confidence-weighted);
+* ``decide`` stops when the leading answer is settled (:mod:`policies.stopping`) or the thread budget is
+  spent; otherwise it escalates: more threads at the planned ratio, then (if the threads still disagree)
+  the next higher ratio, which fits more threads in the same memory, then more threads at that ratio.
+
+Thread seeds are (task seed, sample index), with sample indices running on across rounds, so a rerun
+chunk is the same threads.
+"""
+
+from __future__ import annotations
+
+import operator
+import os
+from dataclasses import dataclass
+from typing import Annotated, Any, TypedDict
+
+from langgraph.checkpoint.memory import InMemorySaver
+from langgraph.graph import END, START, StateGraph
+from langgraph.types import Send
+
+from policies.planner import CalibrationProfile, plan
+from policies.stopping import settled
+from policies.voting import confidence_vote, majority_vote
+from tasks.chain import ProblemError, parse_problem
+from tasks.prompt import format_prompt
+from workers.thread import SamplingParams, tokens_per_head
+from workers.worker import ProblemRequest
+
+CHUNK = 4  # threads per run_chunk task: the unit of work that survives a controller crash
+
+
+@dataclass(frozen=True)
+class Budget:
+    """A task's limits: KV memory its threads may hold at once, and threads in total."""
+
+    kv_budget_bytes: int
+    max_threads: int = 64
+
+
+class SolveState(TypedDict, total=False):
+    task_id: str
+    prompt: str
+    k: int | None
+    prompt_tokens: int
+    seed: int
+    kv_budget_bytes: int
+    max_threads: int
+    cr: float
+    target_threads: int
+    max_new_tokens: int
+    round_size: int
+    next_sample: int
+    round_samples: list[int]
+    threads: Annotated[list[dict], operator.add]
+    rounds: Annotated[list[dict], operator.add]
+    answer: str | None
+    votes: dict[str, int]
+    stop_reason: str
+
+
+class ChunkState(TypedDict):
+    task_id: str
+    prompt: str
+    seed: int
+    cr: float
+    max_new_tokens: int
+    samples: list[int]
+
+
+class Controller:
+    def __init__(self, pool, profile: CalibrationProfile, tokenizer, kv_bytes_per_token: int, ratios: list[float],
+                 temperature: float = 0.8, first_round: int = 4, threshold: float = 0.95, weighting: str = "majority",
+                 checkpointer=None, on_chunk=None):
+        self.pool, self.profile, self.tokenizer = pool, profile, tokenizer
+        self.kv_bytes_per_token = kv_bytes_per_token
+        self.ratios = sorted(ratios)
+        self.temperature, self.first_round, self.threshold, self.weighting = temperature, first_round, threshold, weighting
+        self.on_chunk = on_chunk  # called with (task_id, samples) when a chunk finishes (progress, tests)
+        self.graph = self._build().compile(checkpointer=checkpointer if checkpointer is not None else make_checkpointer())
+
+    # -- the budget model ----------------------------------------------------------------------------
+    def thread_bytes(self, cr: float, prompt_tokens: int, max_new_tokens: int) -> int:
+        """KV bytes one thread may grow to at ``cr`` (the engine's admission estimate)."""
+        return self.kv_bytes_per_token * tokens_per_head(prompt_tokens + max_new_tokens, cr, self.profile.window)
+
+    def fits(self, state: SolveState, cr: float) -> int:
+        """Threads of this task that fit in its KV budget at once at ratio ``cr``."""
+        return state["kv_budget_bytes"] // self.thread_bytes(cr, state["prompt_tokens"], state["max_new_tokens"])
+
+    # -- nodes ---------------------------------------------------------------------------------------
+    def assess(self, state: SolveState) -> dict:
+        try:
+            k = parse_problem(state["prompt"].strip()).k
+        except ProblemError:
+            k = None
+        return {"k": k, "prompt_tokens": len(self.tokenizer(format_prompt(state["prompt"]))["input_ids"])}
+
+    def plan(self, state: SolveState) -> dict:
+        chosen = plan(self.profile, state["k"], state["kv_budget_bytes"],
+                      lambda cr: self.thread_bytes(cr, state["prompt_tokens"], self.profile.max_new_tokens), self.ratios,
+                      max_threads=state["max_threads"])
+        return {"cr": chosen.cr, "target_threads": chosen.threads, "max_new_tokens": chosen.max_new_tokens,
+                "round_size": min(self.first_round, chosen.threads), "next_sample": 0,
+                "rounds": [{"event": "plan", "cr": chosen.cr, "threads": chosen.threads,
+                            "expected_accuracy": round(chosen.expected_accuracy, 3)}]}
+
+    def dispatch(self, state: SolveState) -> dict:
+        size = min(state["round_size"], self.fits(state, state["cr"]), state["max_threads"] - len(state.get("threads", [])))
+        samples = list(range(state["next_sample"], state["next_sample"] + max(1, size)))
+        return {"round_samples": samples, "next_sample": samples[-1] + 1,
+                "rounds": [{"event": "round", "cr": state["cr"], "threads": len(samples)}]}
+
+    def fan_out(self, state: SolveState) -> list[Send]:
+        samples = state["round_samples"]
+        return [
+            Send("run_chunk", ChunkState(task_id=state["task_id"], prompt=state["prompt"], seed=state["seed"], cr=state["cr"],
+                                         max_new_tokens=state["max_new_tokens"], samples=samples[i : i + CHUNK]))
+            for i in range(0, len(samples), CHUNK)
+        ]
+
+    async def run_chunk(self, chunk: ChunkState) -> dict:
+        request = ProblemRequest(
+            f"{chunk['task_id']}:{chunk['samples'][0]}", format_prompt(chunk["prompt"]), tuple(chunk["samples"]),
+            SamplingParams(self.temperature, 1.0, chunk["max_new_tokens"], chunk["seed"]), chunk["cr"],
+        )
+        results = await self.pool.collect(request)
+        if self.on_chunk is not None:
+            self.on_chunk(chunk["task_id"], chunk["samples"])
+        return {"threads": [
+            {"sample": r.sample_index, "answer": r.answer, "tokens": r.tokens, "mean_logprob": r.mean_logprob,
+             "realized_cr": r.realized_cr, "cr": r.cr, "finish_reason": r.finish_reason} for r in results
+        ]}
+
+    def aggregate(self, state: SolveState) -> dict:
+        threads = state["threads"]
+        answers = [t["answer"] for t in threads]
+        if self.weighting == "confidence":
+            vote = confidence_vote(answers, [t["mean_logprob"] for t in threads])
+        else:
+            vote = majority_vote(answers)
+        return {"answer": vote.answer, "votes": vote.counts}
+
+    def decide(self, state: SolveState) -> dict:
+        used = len(state["threads"])
+        if settled(state["votes"], self.threshold):
+            return {"stop_reason": "settled"}
+        if used >= state["max_threads"]:
+            return {"stop_reason": "budget"}
+        if state["next_sample"] < state["target_threads"]:
+            size = min(state["round_size"] * 2, state["target_threads"] - state["next_sample"])
+            return {"round_size": size, "rounds": [{"event": "escalate", "more_threads": size}]}
+        higher = [cr for cr in self.ratios if cr > state["cr"] and self.fits(state, cr) > self.fits(state, state["cr"])]
+        if higher:  # the threads disagree and the plan is spent: a higher ratio fits more threads in the same memory
+            cr = higher[0]
+            size = min(self.fits(state, cr), state["max_threads"] - used)
+            return {"cr": cr, "round_size": size, "target_threads": state["next_sample"] + size,
+                    "rounds": [{"event": "escalate", "cr": cr, "more_threads": size}]}
+        # No higher ratio helps: more threads at this one, up to the task's thread budget.
+        size = min(state["round_size"] * 2, state["max_threads"] - used)
+        return {"round_size": size, "target_threads": state["next_sample"] + size,
+                "rounds": [{"event": "escalate", "more_threads": size}]}
+
+    @staticmethod
+    def after_decide(state: SolveState) -> str:
+        return END if state.get("stop_reason") else "dispatch"
+
+    def _build(self) -> StateGraph:
+        graph = StateGraph(SolveState)
+        graph.add_node("assess", self.assess)
+        graph.add_node("plan", self.plan)
+        graph.add_node("dispatch", self.dispatch)
+        graph.add_node("run_chunk", self.run_chunk)
+        graph.add_node("aggregate", self.aggregate)
+        graph.add_node("decide", self.decide)
+        graph.add_edge(START, "assess")
+        graph.add_edge("assess", "plan")
+        graph.add_edge("plan", "dispatch")
+        graph.add_conditional_edges("dispatch", self.fan_out, ["run_chunk"])
+        graph.add_edge("run_chunk", "aggregate")
+        graph.add_edge("aggregate", "decide")
+        graph.add_conditional_edges("decide", self.after_decide, ["dispatch", END])
+        return graph
+
+    # -- running tasks -------------------------------------------------------------------------------
+    async def solve(self, task_id: str, prompt: str, budget: Budget, seed: int = 0) -> dict[str, Any]:
+        """Run (or, if its checkpoint exists and is unfinished, resume) one task; returns its final state."""
+        config = {"configurable": {"thread_id": task_id}, "recursion_limit": 200}
+        snapshot = await self.graph.aget_state(config)
+        if snapshot.values and snapshot.next:  # an interrupted run: continue from the checkpoint
+            return await self.graph.ainvoke(None, config)
+        if snapshot.values and not snapshot.next:  # already finished
+            return snapshot.values
+        initial = SolveState(task_id=task_id, prompt=prompt, seed=seed, kv_budget_bytes=budget.kv_budget_bytes,
+                             max_threads=budget.max_threads, threads=[], rounds=[])
+        return await self.graph.ainvoke(initial, config)
+
+
+def make_checkpointer():
+    """Where the controller's state is checkpointed: Redis when ``$REDIS_URL`` is set, else in memory."""
+    url = os.environ.get("REDIS_URL")
+    if url:
+        from orchestrator.redis_saver import RedisSaver
+
+        return RedisSaver.from_url(url)
+    return InMemorySaver()
+
+
+def check_budget(profile: CalibrationProfile, kv_bytes_per_token: int, ratios: list[float], prompt_tokens: int,
+                 budget: Budget) -> None:
+    """Raise ``ValueError`` (naming ``kv_budget``) before any work if the budget holds no thread at any ratio."""
+    needed = min(kv_bytes_per_token * tokens_per_head(prompt_tokens + profile.max_new_tokens, cr, profile.window) for cr in ratios)
+    if budget.kv_budget_bytes < needed:
+        raise ValueError(f"kv_budget: {budget.kv_budget_bytes} bytes cannot hold one thread "
+                         f"(the smallest, at {max(ratios):g}x, needs {needed} bytes)")
+    if budget.max_threads < 1:
+        raise ValueError("max_threads: must be at least 1")

@@ -1,0 +1,89 @@
+"""Budget planning: which (compression ratio, threads, token limit) to give a task, from a calibration profile.
+
+A profile (measured by ``thinkpool calibrate``, stored as JSON in ``configs/``) holds, per difficulty bin
+and ratio, the vote accuracy of n sampled threads (n = 1, 2, 4, ...) and the mean tokens per thread.
+The planner picks, among the configurations whose KV reservation fits the task's budget, the most
+accurate one; among those within ``tolerance`` of it, the one that generates the fewest tokens. Its
+expected accuracy per added thread also ranks tasks competing for the same workers.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from pydantic import BaseModel, Field
+
+
+class ProfileEntry(BaseModel):
+    k_min: int
+    k_max: int
+    cr: float
+    threads: int = Field(ge=1)
+    accuracy: float = Field(ge=0, le=1)
+    tokens_per_thread: float = Field(gt=0)
+
+
+class CalibrationProfile(BaseModel):
+    model: str
+    max_new_tokens: int
+    temperature: float
+    window: int = 16
+    entries: list[ProfileEntry]
+
+    @classmethod
+    def load(cls, path: str | Path) -> "CalibrationProfile":
+        return cls.model_validate(json.loads(Path(path).read_text()))
+
+    def save(self, path: str | Path) -> Path:
+        Path(path).write_text(self.model_dump_json(indent=1) + "\n")
+        return Path(path)
+
+    def bin_of(self, k: int | None) -> tuple[int, int]:
+        """The difficulty bin holding ``k`` (unknown difficulty: the hardest bin, the cautious choice)."""
+        bins = sorted({(e.k_min, e.k_max) for e in self.entries})
+        if k is None:
+            return bins[-1]
+        for low, high in bins:
+            if low <= k <= high:
+                return low, high
+        return bins[0] if k < bins[0][0] else bins[-1]
+
+    def entries_for(self, k: int | None) -> list[ProfileEntry]:
+        low, high = self.bin_of(k)
+        return [e for e in self.entries if (e.k_min, e.k_max) == (low, high)]
+
+    def accuracy(self, k: int | None, cr: float, threads: int) -> float:
+        """Expected vote accuracy of ``threads`` threads at ``cr`` (the nearest measured count at or below)."""
+        known = [e for e in self.entries_for(k) if e.cr == cr and e.threads <= threads]
+        return max(known, key=lambda e: e.threads).accuracy if known else 0.0
+
+
+@dataclass(frozen=True)
+class Plan:
+    cr: float
+    threads: int
+    max_new_tokens: int
+    expected_accuracy: float
+    expected_tokens: float
+
+
+def plan(profile: CalibrationProfile, k: int | None, kv_budget_bytes: int, thread_bytes, ratios: list[float],
+         max_threads: int = 64, tolerance: float = 0.01) -> Plan:
+    """The configuration to run a task of difficulty ``k`` with; ``thread_bytes(cr)`` is one thread's reservation.
+
+    Raises ``ValueError`` when not even one thread fits the budget."""
+    options = []
+    for entry in profile.entries_for(k):
+        if entry.cr not in ratios or entry.threads > max_threads:
+            continue
+        if entry.threads * thread_bytes(entry.cr) > kv_budget_bytes:
+            continue
+        options.append(entry)
+    if not options:
+        cheapest = min(thread_bytes(cr) for cr in ratios)
+        raise ValueError(f"kv_budget: {kv_budget_bytes} bytes cannot hold one thread (the smallest needs {cheapest} bytes)")
+    best = max(e.accuracy for e in options)
+    chosen = min((e for e in options if e.accuracy >= best - tolerance), key=lambda e: (e.threads * e.tokens_per_thread, -e.accuracy))
+    return Plan(chosen.cr, chosen.threads, profile.max_new_tokens, chosen.accuracy, chosen.threads * chosen.tokens_per_thread)

@@ -1,0 +1,148 @@
+"""Policies and the LangGraph controller: the planner on a synthetic profile, the graph's routing (finish,
+escalate, budget exhausted) on scripted workers, a real solve, and a real kill-and-resume through Redis."""
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from dms_runtime.tokenizer import build_tokenizer
+from orchestrator.controller import Budget, Controller, check_budget
+from policies.planner import CalibrationProfile, ProfileEntry, plan
+from policies.stopping import leader_probability, settled
+from policies.voting import best_of_n, confidence_vote, weighted_vote
+from policies.extraction import extract_math_answer, get_extractor
+from workers.thread import ThreadResult
+
+KV_PER_TOKEN = 3072  # the shipped model: 6 layers x 2 KV heads x 32 dims x fp32 K and V
+
+
+def profile(max_new_tokens: int = 300) -> CalibrationProfile:
+    """Synthetic: easy problems are solved by anything; hard ones need many threads, best at 8x."""
+    entries = []
+    for (low, high), table in {
+        (1, 10): {1: [0.95, 0.97, 0.98], 4: [0.94, 0.96, 0.97], 8: [0.9, 0.93, 0.95]},
+        (11, 20): {1: [0.5, 0.6, 0.65], 4: [0.48, 0.62, 0.72], 8: [0.45, 0.63, 0.8]},
+    }.items():
+        for cr, accuracies in table.items():
+            for threads, accuracy in zip((1, 4, 16), accuracies):
+                entries.append(ProfileEntry(k_min=low, k_max=high, cr=cr, threads=threads, accuracy=accuracy,
+                                            tokens_per_thread=100 * high))
+    return CalibrationProfile(model="synthetic", max_new_tokens=max_new_tokens, temperature=0.8, window=16, entries=entries)
+
+
+def test_policies_on_hand_made_votes():
+    assert weighted_vote(["3", "5", "5"], [3.0, 1.0, 1.0]).answer == "3"
+    # two confident threads outvote three unsure ones once the least confident half is dropped
+    vote = confidence_vote(["7", "7", "2", "2", "2"], [-0.01, -0.02, -0.9, -0.8, -1.2], keep=0.5)
+    assert vote.answer == "7" and vote.counts == {"7": 2, "2": 1}
+    assert best_of_n(["a", "bb", "ccc"], ["1", "2", None], verifier=lambda text, answer: len(text)).answer == "2"
+    assert leader_probability({"4": 4}) > 0.95 > leader_probability({"4": 3})
+    assert settled({"1": 6, "2": 1}) and not settled({"1": 5, "2": 2}) and not settled({})
+    assert extract_math_answer(r"so \boxed{42}.") == "42" and extract_math_answer("x = 3, then 17") == "17"
+    assert get_extractor("chain")("...#07") == "7"
+    with pytest.raises(ValueError, match="unknown task family"):
+        get_extractor("poetry")
+
+
+def test_planner_picks_the_most_accurate_fit_and_the_cheapest_among_equals():
+    p = profile()
+    per_thread = {1: 400 * KV_PER_TOKEN, 4: 120 * KV_PER_TOKEN, 8: 60 * KV_PER_TOKEN}
+    big = plan(p, 18, 10**9, per_thread.get, [1, 4, 8])
+    assert (big.cr, big.threads) == (8, 16)
+    small = plan(p, 18, 16 * 120 * KV_PER_TOKEN, per_thread.get, [1, 4, 8])  # 16 threads fit at 4x and 8x only
+    assert (small.cr, small.threads) == (8, 16)
+    tight = plan(p, 18, 4 * 60 * KV_PER_TOKEN, per_thread.get, [1, 4, 8])  # only 4 threads at 8x fit
+    assert (tight.cr, tight.threads) == (8, 4)
+    easy = plan(p, 3, 10**9, per_thread.get, [1, 4, 8])
+    assert (easy.cr, easy.threads) == (1, 4)  # within a point of the best (x16), with a quarter of the tokens
+    with pytest.raises(ValueError, match="kv_budget"):
+        plan(p, 18, 1000, per_thread.get, [1, 4, 8])
+
+
+class ScriptedPool:
+    """Workers that answer from a script (sample index -> answer): for the graph's routing only."""
+
+    def __init__(self, answer_of):
+        self.answer_of, self.requests = answer_of, []
+
+    async def collect(self, request, on_result=None):
+        self.requests.append(request)
+        return [ThreadResult(request.request_id, i, f"#{self.answer_of(i)}", 50, self.answer_of(i), -0.1, request.cr, request.cr,
+                             "eos") for i in request.samples]
+
+
+def run(pool, prompt, budget, **kwargs):
+    controller = Controller(pool, profile(), build_tokenizer(), KV_PER_TOKEN, [1, 4, 8], **kwargs)
+    return asyncio.run(controller.solve("task", prompt, budget))
+
+
+HARD = "a=76;b=53;c=28;d=18;e=16;f=35;g=d*b;h=e+e;i=g+a;j=d-a;k=a*j;l=k*c;m=c-e;n=m*k;o=e*b;p=j*k;q=o*j;r=c-d;?r"
+
+
+def test_unanimous_threads_finish_after_the_first_round():
+    pool = ScriptedPool(lambda i: "5")
+    state = run(pool, HARD, Budget(kv_budget_bytes=10**9))
+    assert state["stop_reason"] == "settled" and state["answer"] == "5" and len(state["threads"]) == 4
+    assert state["cr"] == 8 and [e["event"] for e in state["rounds"]] == ["plan", "round"]
+
+
+def test_disagreement_escalates_to_more_threads_then_stops_at_the_thread_budget():
+    pool = ScriptedPool(lambda i: str(i % 3))  # never settles
+    state = run(pool, HARD, Budget(kv_budget_bytes=10**9, max_threads=24))
+    events = [e["event"] for e in state["rounds"]]
+    assert events[:4] == ["plan", "round", "escalate", "round"] and state["stop_reason"] == "budget"
+    assert len(state["threads"]) == 24 and sorted(t["sample"] for t in state["threads"]) == list(range(24))
+
+
+def test_a_spent_plan_escalates_to_a_higher_ratio_that_fits_more_threads():
+    pool = ScriptedPool(lambda i: str(i % 2))
+    budget = Budget(kv_budget_bytes=4 * 420 * KV_PER_TOKEN, max_threads=40)  # 4 vanilla threads of ~400 tokens
+    controller = Controller(pool, profile().model_copy(update={"entries": [e for e in profile().entries if e.cr == 1]}),
+                            build_tokenizer(), KV_PER_TOKEN, [1, 8])
+    state = asyncio.run(controller.solve("task", HARD, budget))
+    escalations = [e for e in state["rounds"] if e.get("cr") == 8 and e["event"] == "escalate"]
+    assert escalations and state["cr"] == 8 and len(state["threads"]) > 4
+    assert all(len(r.samples) <= 4 for r in pool.requests)  # one chunk per request
+
+
+def test_impossible_budget_is_refused_before_any_work():
+    with pytest.raises(ValueError, match="kv_budget"):
+        check_budget(profile(), KV_PER_TOKEN, [1, 4, 8], 120, Budget(kv_budget_bytes=10_000))
+
+
+def test_a_real_solve_on_the_shipped_model():
+    from workers.local import LocalPool
+    from workers.worker import WorkerConfig
+
+    pool = LocalPool(WorkerConfig(kv_budget_bytes=8_000_000))
+    controller = Controller(pool, profile(max_new_tokens=300), build_tokenizer(), KV_PER_TOKEN, [1])
+    state = asyncio.run(controller.solve("easy", "a=3;b=4;c=a*b;d=c+a;?d", Budget(kv_budget_bytes=8_000_000)))
+    assert state["answer"] == "15" and state["stop_reason"] == "settled" and state["k"] == 2
+
+
+def test_a_killed_controller_resumes_from_redis_without_rerunning_finished_threads(redis_url, tmp_path):
+    log = tmp_path / "chunks.log"
+    env = {**os.environ, "REDIS_URL": redis_url, "CHUNK_LOG": str(log)}
+    command = [sys.executable, str(Path(__file__).with_name("controller_job.py")), "resume-task"]
+    first = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 240
+    while time.time() < deadline and not (log.exists() and log.read_text().strip()):
+        time.sleep(0.2)
+        assert first.poll() is None, first.stderr.read()
+    first.send_signal(signal.SIGKILL)
+    first.wait()
+    done_before = [json.loads(line) for line in log.read_text().splitlines()]
+    assert done_before and len(done_before) < 3  # killed mid-task
+    second = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
+    assert second.returncode == 0, second.stderr
+    state = json.loads(second.stdout)
+    chunks = [tuple(json.loads(line)) for line in log.read_text().splitlines()]
+    assert len(chunks) == len(set(chunks)) == 3  # 4 + 8 threads in chunks of 4, each run exactly once
+    assert sorted(t["sample"] for t in state["threads"]) == list(range(12))
