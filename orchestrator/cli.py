@@ -111,6 +111,12 @@ def build_parser() -> argparse.ArgumentParser:
                           help="training-free baseline(s): window streaming tova h2o knorm snapkv")
     evaluate.add_argument("--compression", type=bounded(float, 1, 64), default=None,
                           help="the ratio every --press is held to")
+    evaluate.add_argument("--controller", choices=["auto"], default=None,
+                          help="let the controller choose ratio and threads per problem (needs --kv-budget)")
+    evaluate.add_argument("--profile", type=Path, default=Path("configs/calibration_chain.json"),
+                          help="the controller's calibration profile (thinkpool calibrate)")
+    evaluate.add_argument("--max-threads", type=bounded(int, 1, max_samples), default=32,
+                          help="the controller's thread budget per problem")
     evaluate.add_argument("--json", action="store_true", help="print one JSON summary object")
     evaluate.add_argument("--plot", type=Path, default=None, help="draw accuracy by k to this PNG")
     evaluate.add_argument("--output", type=Path, default=None, help="write per-problem results (JSONL)")
@@ -133,6 +139,18 @@ def build_parser() -> argparse.ArgumentParser:
     overhead.add_argument("--workers", type=bounded(int, 0, 64), default=1, help="Ray worker actors (0: in this process)")
     overhead.add_argument("--json", action="store_true")
     add_model(overhead)
+
+    calibrate = commands.add_parser("calibrate", help="measure the planner's profile (accuracy and tokens by difficulty, ratio, threads)")
+    calibrate.add_argument("--bins", type=k_range, nargs="+", default=[(1, 5), (6, 10), (11, 15), (16, 20)])
+    calibrate.add_argument("--cr", type=bounded(float, 1, 64), nargs="+", default=None, help="ratios (default: 1 and every adapter)")
+    calibrate.add_argument("--problems", type=bounded(int, 1, 1000), default=8, help="fresh problems per bin")
+    calibrate.add_argument("--threads", type=bounded(int, 1, max_samples), default=16, help="sampled threads per problem")
+    calibrate.add_argument("--max-new-tokens", type=bounded(int, 16, 8192), default=settings.sampling.max_new_tokens)
+    calibrate.add_argument("--temperature", type=bounded(float, 0.01, 5.0), default=settings.sampling.temperature)
+    calibrate.add_argument("--seed", type=int, default=777)
+    calibrate.add_argument("--workers", type=bounded(int, 0, 64), default=1)
+    calibrate.add_argument("--output", type=Path, default=Path("configs/calibration_chain.json"))
+    add_model(calibrate)
 
     info = commands.add_parser("info", help="the model served by default and its KV geometry")
     add_model(info)
@@ -168,7 +186,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     handler = {"solve": cmd_solve, "eval": cmd_eval, "info": cmd_info, "generate": cmd_generate, "train": cmd_train,
-               "retrofit": cmd_retrofit, "bench": cmd_bench}
+               "retrofit": cmd_retrofit, "bench": cmd_bench, "calibrate": cmd_calibrate}
     return handler[args.command](args, parser)
 
 
@@ -283,6 +301,8 @@ def cmd_eval(args, parser) -> int:
         max_new_tokens=args.max_new_tokens,
         batch_size=args.batch_size,
     )
+    if args.controller:
+        return eval_controller(args, parser, problems, model_dir, options)
     runs, records = [], []
     engine_methods = [m for m in methods if m.kind in ("vanilla", "dms")]
     if engine_methods:
@@ -319,6 +339,96 @@ def cmd_eval(args, parser) -> int:
                   f"samples/problem={report['samples_per_problem']:g}")
             for k, accuracy in report["accuracy_by_k"].items():
                 print(f"  k={k:>2}  {accuracy:.3f}  (n={report['n_by_k'][k]})")
+    return 0
+
+
+def eval_controller(args, parser, problems: list[dict], model_dir, options) -> int:
+    """``eval --controller auto``: every problem through the controller, one at a time, each with the whole pool."""
+    from orchestrator.controller import Budget, Controller, check_budget as controller_budget
+    from orchestrator.evaluate import summarize
+    from policies.extraction import answers_match
+    from policies.planner import CalibrationProfile
+    from tasks.prompt import format_prompt
+    from workers.worker import available_ratios
+
+    if args.kv_budget is None:
+        parser.error("argument --controller: needs --kv-budget (the memory each problem's threads may hold)")
+    if not args.profile.is_file():
+        parser.error(f"argument --profile: no calibration profile at {args.profile} (run thinkpool calibrate)")
+    profile = CalibrationProfile.load(args.profile)
+    ratios = sorted({1.0, *available_ratios(model_dir)} & {e.cr for e in profile.entries})
+    pool = make_pool(model_dir, args.kv_budget, args.workers)
+    info = pool.info()
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
+    budget = Budget(kv_budget_bytes=args.kv_budget, max_threads=args.max_threads)
+    longest = max((p["prompt"] for p in problems), key=len)
+    try:
+        controller_budget(profile, info["geometry"]["kv_bytes_per_token"], ratios, len(tokenizer(format_prompt(longest))["input_ids"]), budget)
+    except ValueError as error:
+        pool.shutdown()
+        parser.error(f"argument --kv-budget: {error}")
+    controller = Controller(pool, profile, tokenizer, info["geometry"]["kv_bytes_per_token"], ratios,
+                            temperature=options.temperature)
+    records, tokens = [], 0
+    started = time.perf_counter()
+    for index, problem in enumerate(problems):
+        state = asyncio.run(controller.solve(f"eval-{index}-{problem['id']}", problem["prompt"], budget, seed=options.seed * 1_000_003 + index))
+        threads = state["threads"]
+        tokens += sum(t["tokens"] for t in threads)
+        records.append({"id": problem["id"], "k": problem.get("k"), "expected": problem["answer"], "answer": state["answer"],
+                        "correct": answers_match(state["answer"], problem["answer"]), "votes": state["votes"],
+                        "thread_accuracy": sum(answers_match(t["answer"], problem["answer"]) for t in threads) / len(threads),
+                        "threads": len(threads), "cr": state["cr"], "stop_reason": state["stop_reason"],
+                        "tokens": sum(t["tokens"] for t in threads), "rounds": state["rounds"]})
+        print(f"{problem['id']}: k={problem.get('k')} {state['cr']:g}x x{len(threads)} -> {state['answer']} "
+              f"({'right' if records[-1]['correct'] else 'wrong'}, {state['stop_reason']})", file=sys.stderr)
+    stats = [s for s in asyncio.run(pool.stats()) if s is not None]
+    pool.shutdown()
+    report = {
+        "method": "controller",
+        **summarize(records, tokens, time.perf_counter() - started),
+        "kv_peak_bytes": max(s.pool_peak_bytes for s in stats),
+        "kv_budget_bytes": args.kv_budget,
+        "samples_per_problem": sum(r["threads"] for r in records) / len(records),
+        "ratios_chosen": {f"{cr:g}": sum(r["cr"] == cr for r in records) for cr in sorted({r["cr"] for r in records})},
+        "threads_chosen": {str(n): sum(r["threads"] == n for r in records) for n in sorted({r["threads"] for r in records})},
+        "config": {"model": str(model_dir), "profile": str(args.profile), "max_threads": args.max_threads,
+                   "temperature": options.temperature, "seed": options.seed},
+    }
+    if args.output:
+        from tasks.jsonl import write_jsonl
+
+        write_jsonl(args.output, records)
+    if args.json:
+        print(json.dumps(report))
+    else:
+        print(f"controller: n={report['n']} accuracy={report['accuracy']:.3f} tokens={report['tokens_generated']} "
+              f"threads/problem={report['samples_per_problem']:.1f} ratios={report['ratios_chosen']}")
+    return 0
+
+
+def cmd_calibrate(args, parser) -> int:
+    from dms_runtime.loading import default_model_path
+    from orchestrator.calibrate import calibrate
+    from workers.worker import available_ratios
+
+    model_dir = args.model or default_model_path()
+    ratios = args.cr or [1.0] + available_ratios(model_dir)
+    missing = [cr for cr in ratios if cr != 1 and cr not in available_ratios(model_dir)]
+    if missing:
+        parser.error(f"argument --cr: no DMS adapter for {missing[0]:g}x beside {model_dir}")
+    pool = make_pool(model_dir, None, args.workers)
+    window = 16
+    adapters = sorted(Path(model_dir).glob("dms-*x.json"))
+    if adapters:
+        window = json.loads(adapters[0].read_text())["dms_config"]["window"]
+    profile = asyncio.run(calibrate(pool, args.bins, ratios, args.problems, args.threads, args.max_new_tokens,
+                                    args.temperature, args.seed, str(model_dir), window,
+                                    progress=lambda line: print(line, file=sys.stderr)))
+    pool.shutdown()
+    print(f"profile: {profile.save(args.output)}")
     return 0
 
 

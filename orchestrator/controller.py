@@ -11,8 +11,8 @@
   LangGraph task, so its results are saved as pending writes the moment it finishes: a controller killed
   mid-round and restarted from its checkpoint reruns only the chunks that had not finished;
 * ``aggregate`` votes over every thread so far (majority, or confidence-weighted);
-* ``decide`` stops when the leading answer is settled (:mod:`policies.stopping`) or the thread budget is
-  spent; otherwise it escalates: more threads at the planned ratio, then (if the threads still disagree)
+* ``decide`` stops when the leading answer is settled (:mod:`policies.stopping`), when the planned threads
+  have run and agree, or when the thread budget is spent; otherwise it escalates: more threads at the planned ratio, then (if the threads still disagree)
   the next higher ratio, which fits more threads in the same memory, then more threads at that ratio.
 
 Thread seeds are (task seed, sample index), with sample indices running on across rounds, so a rerun
@@ -161,6 +161,8 @@ class Controller:
         if state["next_sample"] < state["target_threads"]:
             size = min(state["round_size"] * 2, state["target_threads"] - state["next_sample"])
             return {"round_size": size, "rounds": [{"event": "escalate", "more_threads": size}]}
+        if len(state["votes"]) == 1:  # the plan is done and its threads agree: what the profile expected
+            return {"stop_reason": "planned"}
         higher = [cr for cr in self.ratios if cr > state["cr"] and self.fits(state, cr) > self.fits(state, state["cr"])]
         if higher:  # the threads disagree and the plan is spent: a higher ratio fits more threads in the same memory
             cr = higher[0]

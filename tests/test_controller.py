@@ -124,7 +124,8 @@ def test_a_real_solve_on_the_shipped_model():
     pool = LocalPool(WorkerConfig(kv_budget_bytes=8_000_000))
     controller = Controller(pool, profile(max_new_tokens=300), build_tokenizer(), KV_PER_TOKEN, [1])
     state = asyncio.run(controller.solve("easy", "a=3;b=4;c=a*b;d=c+a;?d", Budget(kv_budget_bytes=8_000_000)))
-    assert state["answer"] == "15" and state["stop_reason"] == "settled" and state["k"] == 2
+    assert state["answer"] == "15" and state["k"] == 2
+    assert state["votes"]["15"] > len(state["threads"]) / 2 and state["stop_reason"] in ("settled", "planned")
 
 
 def test_a_killed_controller_resumes_from_redis_without_rerunning_finished_threads(redis_url, tmp_path):
