@@ -1,11 +1,19 @@
 #!/usr/bin/env bash
 # DMS against vanilla and the training-free baselines, greedy, on fresh problems.
+# Vanilla is the shipped base model; the DMS ratios run on the retrofitted copy (checkpoints/chain-qwen3-dms,
+# where CR 1 is its fine-tuned weights without eviction).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=docs/results
+N=${N:-200}
+N_FAR=${N_FAR:-60}
+DMS=checkpoints/chain-qwen3-dms
 mkdir -p "$OUT" runs
-.venv/bin/thinkpool generate --n 200 --k 1-20 --seed 2001 --output runs/dms_k1-20.jsonl
-.venv/bin/thinkpool generate --n 100 --k 12-20 --seed 2002 --reach 8 --output runs/farback_k12-20.jsonl
-.venv/bin/thinkpool eval --problems runs/dms_k1-20.jsonl --cr 1 2 4 8 --json --plot "$OUT/dms_pareto.png" > "$OUT/dms_k1-20.json"
-.venv/bin/thinkpool eval --problems runs/farback_k12-20.jsonl --cr 1 8 --press window streaming tova h2o knorm snapkv \
-  --compression 8 --json --plot "$OUT/farback_8x.png" > "$OUT/farback_8x.json"
+.venv/bin/thinkpool generate --n "$N" --k 1-20 --seed 2001 --output runs/dms_k1-20.jsonl
+.venv/bin/thinkpool generate --n "$N_FAR" --k 12-20 --seed 2002 --reach 8 --output runs/farback_k12-20.jsonl
+.venv/bin/thinkpool eval --problems runs/dms_k1-20.jsonl --workers 0 --json > "$OUT/vanilla_k1-20.json"
+.venv/bin/thinkpool eval --problems runs/dms_k1-20.jsonl --model "$DMS" --cr 1 2 4 8 --workers 0 --json \
+  --plot "$OUT/dms_pareto.png" > "$OUT/dms_k1-20.json"
+.venv/bin/thinkpool eval --problems runs/farback_k12-20.jsonl --model "$DMS" --cr 8 --workers 0 --json > "$OUT/farback_dms8.json"
+.venv/bin/thinkpool eval --problems runs/farback_k12-20.jsonl --press window streaming tova h2o knorm snapkv \
+  --compression 8 --json --plot "$OUT/farback_8x.png" > "$OUT/farback_presses_8x.json"
