@@ -5,14 +5,14 @@ For tests, notebooks and the in-process SDK client: no cluster, no serialization
 
 from __future__ import annotations
 
-import asyncio
 from typing import AsyncIterator
 
 from workers.thread import SamplingParams, ThreadResult
+from workers.runner import ThreadRunner
 from workers.worker import ModelWorker, ProblemRequest, WorkerConfig, WorkerStats
 
 
-class LocalPool:
+class LocalPool(ThreadRunner):
     def __init__(self, config: WorkerConfig | None = None):
         self.worker = ModelWorker(config)
         self.config = self.worker.config
@@ -20,17 +20,6 @@ class LocalPool:
     async def run(self, request: ProblemRequest, worker=None) -> AsyncIterator[ThreadResult]:
         async for result in self.worker.run(request):
             yield result
-
-    async def collect(self, request: ProblemRequest, on_result=None) -> list[ThreadResult]:
-        results = []
-        async for result in self.run(request):
-            results.append(result)
-            if on_result is not None:
-                on_result(result)
-        return results
-
-    def solve(self, request: ProblemRequest, on_result=None) -> list[ThreadResult]:
-        return asyncio.run(self.collect(request, on_result))
 
     async def cancel(self, request_id: str) -> int:
         return self.worker.cancel(request_id)

@@ -20,6 +20,7 @@ import torch
 from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
 
 from workers.thread import ThreadResult
+from workers.runner import ThreadRunner
 from workers.worker import ModelWorker, ProblemRequest, WorkerConfig, WorkerStats
 
 WORKER_LOST = (RayActorError, ActorDiedError, ActorUnavailableError)
@@ -39,7 +40,7 @@ def ensure_ray(address: str | None = None, num_cpus: int | None = None) -> None:
         ray.init(num_cpus=num_cpus or os.cpu_count(), include_dashboard=False, log_to_driver=False)
 
 
-class WorkerPool:
+class WorkerPool(ThreadRunner):
     def __init__(self, config: WorkerConfig | None = None, num_workers: int = 1, address: str | None = None, max_retries: int = 3):
         self.config = config or WorkerConfig()
         ensure_ray(address, num_cpus=max(os.cpu_count() or 1, num_workers))
@@ -99,18 +100,6 @@ class WorkerPool:
                 self._outstanding[index] -= sent
                 self._running.pop(request.request_id, None)
         self._cancelled.discard(request.request_id)
-
-    async def collect(self, request: ProblemRequest, on_result=None) -> list[ThreadResult]:
-        results = []
-        async for result in self.run(request):
-            results.append(result)
-            if on_result is not None:
-                on_result(result)
-        return results
-
-    def solve(self, request: ProblemRequest, on_result=None) -> list[ThreadResult]:
-        """Blocking :meth:`collect` (for scripts and the CLI)."""
-        return asyncio.run(self.collect(request, on_result))
 
     async def cancel(self, request_id: str) -> int:
         self._cancelled.add(request_id)
