@@ -2,7 +2,8 @@
 
 Every ratio in ``ratios`` gets its own gates, and all are trained together on one shared model: each
 batch row is assigned to one ratio (row ``r`` to ``ratios[r % n]``), and that row's attention uses that
-ratio's gates. So one set of base weights serves every ratio, and the engine can mix ratios in one batch.
+ratio's gates. With full fine-tuning, one more group of rows runs without gates ("anchor" rows), so the
+shared weights keep serving CR 1 as the teacher does. So one set of base weights serves every ratio, and the engine can mix ratios in one batch.
 The student is the base model with gates attached in DMS training mode; the teacher is the frozen base
 model (adapter-only training, the default, shares its weights; full fine-tuning keeps a frozen copy).
 The loss is the forward KL from teacher to student on the chain-of-thought tokens plus, per ratio, the
@@ -58,6 +59,7 @@ class RetrofitConfig(BaseModel):
     temperature: float = Field(0.1, gt=0)
     compression_weight: float = Field(1.0, ge=0)
     full_finetune: bool = False
+    anchor_rows: bool = True  # full fine-tuning: some rows run without gates, so CR 1 stays the teacher's model
     seed: int = 0
     device: str = "auto"  # auto = cuda when available (weights in bf16 there), else cpu
     checkpoint_every: int = Field(25, gt=0)
@@ -144,8 +146,10 @@ class RowGates(nn.Module):
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = torch.stack([gate(hidden) for gate in self.gates])  # [ratios, rows, T, decisions]
-        index = self.row_ratio.to(hidden.device)[None, :, None, None].expand(1, -1, *logits.shape[2:])
-        return logits.gather(0, index)[0]
+        row_ratio = self.row_ratio.to(hidden.device)
+        index = row_ratio.clamp(min=0)[None, :, None, None].expand(1, -1, *logits.shape[2:])
+        chosen = logits.gather(0, index)[0]
+        return chosen.masked_fill((row_ratio < 0)[:, None, None], -1e4)  # anchor rows (-1) keep every token
 
 
 def retrofit(config: RetrofitConfig, steps: int | None = None, quiet: bool = False) -> list[Path]:
@@ -183,6 +187,7 @@ def retrofit(config: RetrofitConfig, steps: int | None = None, quiet: bool = Fal
     end = min(config.total_steps, start + steps) if steps is not None else config.total_steps
     lengths = sample_lengths(tokenizer, config.k_min, config.k_max)
     ratios = len(config.ratios)
+    anchors = config.full_finetune and config.anchor_rows
     bar = tqdm(range(start, end), initial=start, total=config.total_steps, desc="retrofit", disable=quiet)
     began = time.perf_counter()
     kl = torch.zeros(())
@@ -192,7 +197,8 @@ def retrofit(config: RetrofitConfig, steps: int | None = None, quiet: bool = Fal
         batch = difficulty_batch(tokenizer, random.Random(config.seed * 1_000_003 + step), config.k_min, config.k_max,
                                  config.tokens_per_batch)
         input_ids = batch.input_ids.to(device)
-        row_ratio = torch.arange(len(input_ids)) % ratios
+        groups = ratios + 1 if anchors else ratios
+        row_ratio = torch.arange(len(input_ids)) % groups - (1 if anchors else 0)  # -1: an anchor row
         for gates in row_gates:
             gates.row_ratio = row_ratio
         with torch.no_grad(), torch.autocast(device, dtype=torch.bfloat16), handle.mode("off"):
