@@ -140,6 +140,13 @@ def build_parser() -> argparse.ArgumentParser:
     overhead.add_argument("--json", action="store_true")
     add_model(overhead)
 
+    serve = commands.add_parser("serve", help="the REST service (FastAPI): /v1/solve, jobs, completions, metrics")
+    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--port", type=bounded(int, 1, 65535), default=8000)
+    serve.add_argument("--workers", type=bounded(int, 0, 64), default=1, help="Ray worker actors (0: in this process)")
+    serve.add_argument("--kv-budget", type=byte_size, default=None, help="each worker's KV pool size")
+    add_model(serve)
+
     calibrate = commands.add_parser("calibrate", help="measure the planner's profile (accuracy and tokens by difficulty, ratio, threads)")
     calibrate.add_argument("--bins", type=k_range, nargs="+", default=[(1, 5), (6, 10), (11, 15), (16, 20)])
     calibrate.add_argument("--cr", type=bounded(float, 1, 64), nargs="+", default=None, help="ratios (default: 1 and every adapter)")
@@ -186,7 +193,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     handler = {"solve": cmd_solve, "eval": cmd_eval, "info": cmd_info, "generate": cmd_generate, "train": cmd_train,
-               "retrofit": cmd_retrofit, "bench": cmd_bench, "calibrate": cmd_calibrate}
+               "retrofit": cmd_retrofit, "bench": cmd_bench, "calibrate": cmd_calibrate, "serve": cmd_serve}
     return handler[args.command](args, parser)
 
 
@@ -406,6 +413,32 @@ def eval_controller(args, parser, problems: list[dict], model_dir, options) -> i
     else:
         print(f"controller: n={report['n']} accuracy={report['accuracy']:.3f} tokens={report['tokens_generated']} "
               f"threads/problem={report['samples_per_problem']:.1f} ratios={report['ratios_chosen']}")
+    return 0
+
+
+def service_factory(model_dir, kv_budget: int | None, workers: int):
+    """Builds the SolveService when the API starts (workers load then, not when the module is imported)."""
+    def build():
+        from transformers import AutoTokenizer
+
+        from orchestrator.service import SolveService
+
+        pool = make_pool(model_dir, kv_budget, workers)
+        return SolveService(pool, AutoTokenizer.from_pretrained(model_dir, local_files_only=True))
+
+    return build
+
+
+def cmd_serve(args, parser) -> int:
+    import uvicorn
+
+    from dms_runtime.loading import default_model_path
+    from orchestrator.api import create_app
+
+    model_dir = args.model or default_model_path()
+    if not (Path(model_dir) / "config.json").is_file():
+        parser.error(f"argument --model: no model at {model_dir}")
+    uvicorn.run(create_app(service_factory(model_dir, args.kv_budget, args.workers)), host=args.host, port=args.port)
     return 0
 
 

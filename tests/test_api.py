@@ -1,0 +1,117 @@
+"""The REST service over real HTTP (uvicorn on a loopback port, the engine in-process)."""
+
+import json
+import socket
+import threading
+import time
+
+import httpx
+import pytest
+import uvicorn
+
+from orchestrator.api import create_app
+from orchestrator.cli import service_factory
+from orchestrator.jobs import MemoryJobStore
+from dms_runtime.loading import SHIPPED_MODEL
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def server(monkeypatch_module):
+    monkeypatch_module.setenv("THINKPOOL_API_KEYS", "secret-key")
+    port = free_port()
+    app = create_app(service_factory(SHIPPED_MODEL, 20_000_000, 0), store=MemoryJobStore())
+    config = uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning")
+    runner = uvicorn.Server(config)
+    thread = threading.Thread(target=runner.run, daemon=True)
+    thread.start()
+    url = f"http://127.0.0.1:{port}"
+    for _ in range(300):
+        try:
+            if httpx.get(f"{url}/readyz").status_code == 200:
+                break
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.1)
+    yield url
+    runner.should_exit = True
+    thread.join(timeout=10)
+
+
+@pytest.fixture(scope="module")
+def monkeypatch_module():
+    with pytest.MonkeyPatch.context() as patch:
+        yield patch
+
+
+AUTH = {"X-API-Key": "secret-key"}
+
+
+def test_health_is_open_and_everything_else_needs_a_key(server):
+    assert httpx.get(f"{server}/healthz").json() == {"status": "ok"}
+    assert httpx.post(f"{server}/v1/solve", json={"prompt": "a=1;b=2;c=a+b;?c"}).status_code == 401
+    assert httpx.get(f"{server}/v1/models", headers={"Authorization": "Bearer wrong"}).status_code == 401
+    models = httpx.get(f"{server}/v1/models", headers=AUTH).json()
+    assert models["object"] == "list" and models["data"][0]["id"] == "chain-qwen3"
+
+
+def test_sync_solve_and_cached_repeat(server):
+    body = {"prompt": "a=3;b=4;c=a*b;d=c+a;?d", "samples": 3, "seed": 1}
+    first = httpx.post(f"{server}/v1/solve", json=body, headers=AUTH, timeout=120)
+    assert first.status_code == 200, first.text
+    result = first.json()
+    assert result["answer"] == "15" and result["samples"] == 3 and len(result["threads"]) == 3
+    assert 0 < result["kv_peak_bytes"] <= 20_000_000 and result["tokens"] > 0
+    again = httpx.post(f"{server}/v1/solve", json=body, headers=AUTH, timeout=120).json()
+    assert again == result  # answered from the job store's cache
+
+
+def test_invalid_requests_get_422_naming_the_field(server):
+    cases = [
+        ({"prompt": "a=1;b=2;c=a+x;?c"}, "prompt", "unknown variable 'x'"),
+        ({"prompt": "a=1;b=2;c=a+b;?c", "samples": 0}, "samples", "between 1 and 256"),
+        ({"prompt": "a=1;b=2;c=a+b;?c", "cr": 8}, "cr", "no DMS adapter for 8x"),
+        ({"prompt": "a=1;b=2;c=a+b;?c", "kv_budget": 1000}, "kv_budget", "cannot hold one thread"),
+        ({"prompt": "a=1;b=2;c=a+b;?c", "colour": "red"}, "colour", "Extra inputs"),
+    ]
+    for body, field, message in cases:
+        response = httpx.post(f"{server}/v1/solve", json=body, headers=AUTH)
+        assert response.status_code == 422, (body, response.text)
+        detail = response.json()["detail"][0]
+        assert field in detail["loc"] and message in detail["msg"], detail
+
+
+def test_async_job_events_and_cancel(server):
+    accepted = httpx.post(f"{server}/v1/solve", json={"prompt": "a=12;b=5;c=a-b;?c", "samples": 2, "async": True}, headers=AUTH)
+    assert accepted.status_code == 202
+    job_id = accepted.json()["id"]
+    events = []
+    with httpx.stream("GET", f"{server}/v1/jobs/{job_id}/events", headers=AUTH, timeout=120) as stream:
+        for line in stream.iter_lines():
+            if line.startswith("event: "):
+                events.append(line.removeprefix("event: "))
+    assert events[-1] == "done" and "votes" in events
+    job = httpx.get(f"{server}/v1/jobs/{job_id}", headers=AUTH).json()
+    assert job["state"] == "done" and job["result"]["answer"] == "7"
+    long_job = httpx.post(f"{server}/v1/solve", json={"prompt": "a=76;b=53;c=28;d=18;e=d*b;f=e+a;g=f*c;h=g-d;i=h*h;j=i+e;?j",
+                                                      "samples": 6, "async": True, "max_tokens": 1000}, headers=AUTH).json()
+    time.sleep(1.0)
+    cancelled = httpx.delete(f"{server}/v1/jobs/{long_job['id']}", headers=AUTH, timeout=60).json()
+    assert cancelled["state"] == "cancelled"
+    assert httpx.get(f"{server}/v1/jobs/nope", headers=AUTH).status_code == 404
+
+
+def test_openai_style_completions_and_metrics(server):
+    response = httpx.post(f"{server}/v1/completions", json={"model": "chain-qwen3", "prompt": "a=7;b=2;c=a+a;d=c*c;?d", "n": 2},
+                          headers=AUTH, timeout=120).json()
+    assert response["object"] == "text_completion" and len(response["choices"]) == 2
+    assert response["choices"][0]["text"] == "#96"  # chain values are taken mod 100
+    bad = httpx.post(f"{server}/v1/completions", json={"prompt": "a=1;?b", "n": 2}, headers=AUTH)
+    assert bad.status_code == 422 and bad.json()["detail"][0]["loc"][:2] == ["body", "prompt"]
+    metrics = httpx.get(f"{server}/metrics", headers=AUTH).text
+    assert "thinkpool_pool_bytes 2" in metrics and "thinkpool_request_seconds_count" in metrics
