@@ -1,5 +1,6 @@
 """The REST service over real HTTP (uvicorn on a loopback port, the engine in-process)."""
 
+import asyncio
 import json
 import socket
 import threading
@@ -115,3 +116,23 @@ def test_openai_style_completions_and_metrics(server):
     assert bad.status_code == 422 and bad.json()["detail"][0]["loc"][:2] == ["body", "prompt"]
     metrics = httpx.get(f"{server}/metrics", headers=AUTH).text
     assert "thinkpool_pool_bytes 2" in metrics and "thinkpool_request_seconds_count" in metrics
+
+
+def test_sdk_clients_and_agent_tool(server):
+    from orchestrator import Client, LocalClient, solve_tool
+    from orchestrator.client import ClientError
+
+    client = Client(server, api_key="secret-key")
+    result = client.solve("a=12;b=5;c=a-b;?c", samples=2)
+    assert result.answer == "7" and result.samples == 2
+    assert asyncio.run(client.asolve("a=12;b=5;c=a-b;?c", samples=2)).answer == "7"
+    job = client.job(client.submit("a=3;b=4;c=a*b;d=c+a;?d", samples=1))
+    assert job.request.samples == 1
+    with pytest.raises(ClientError, match="422"):
+        Client(server, api_key="secret-key").solve("a=1;b=2;c=a+b;?c", cr=8)
+    with pytest.raises(ClientError, match="401"):
+        Client(server).solve("a=1;b=2;c=a+b;?c")
+    local = LocalClient(kv_budget=8_000_000)
+    assert local.solve("a=12;b=5;c=a-b;?c", samples=1).answer == "7"
+    tool = solve_tool(client)
+    assert "answer 7" in tool.invoke({"problem": "a=12;b=5;c=a-b;?c", "samples": 2})
