@@ -1,0 +1,67 @@
+"""Batch reasoning submitted with the real ``ray job submit`` to a ``ray start --head`` cluster; --resume."""
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+RAY = str(Path(sys.executable).with_name("ray"))
+# A throwaway local cluster: no token authentication (its token would have to reach every client), workers
+# at normal priority.
+ENV = {**os.environ, "RAY_AUTH_MODE": "disabled", "RAY_worker_niceness": "0"}
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    port, dashboard = free_port(), free_port()
+    temp = tmp_path_factory.mktemp("ray")
+    started = subprocess.run([RAY, "start", "--head", f"--port={port}", f"--dashboard-port={dashboard}", "--num-cpus=2",
+                              "--include-dashboard=true", f"--temp-dir={temp}", "--disable-usage-stats"],
+                             capture_output=True, text=True, env=ENV, timeout=180)
+    assert started.returncode == 0, started.stderr
+    yield f"http://127.0.0.1:{dashboard}"
+    subprocess.run([RAY, "stop", "--force"], capture_output=True, timeout=120, env=ENV)
+
+
+def test_ray_job_submit_runs_the_batch_and_resume_skips_done_ids(cluster, easy_file, tmp_path):
+    problems = tmp_path / "problems.jsonl"
+    lines = easy_file.read_text().splitlines()[:4]
+    problems.write_text("\n".join(lines) + "\n")
+    shutil.copy(problems, REPO / "runs_batch_input.jsonl")
+    try:
+        submitted = subprocess.run(
+            [RAY, "job", "submit", "--address", cluster, "--working-dir", str(REPO), "--",
+             sys.executable, "-m", "orchestrator.batch", "--input", "runs_batch_input.jsonl", "--output", str(tmp_path / "results.jsonl"),
+             "--samples", "2"],
+            capture_output=True, text=True, timeout=600, cwd=REPO, env=ENV,
+        )
+    finally:
+        (REPO / "runs_batch_input.jsonl").unlink()
+    assert submitted.returncode == 0, submitted.stdout[-2000:] + submitted.stderr[-2000:]
+    results = [json.loads(line) for line in (tmp_path / "results.jsonl").read_text().splitlines()]
+    assert sorted(r["id"] for r in results) == sorted(json.loads(line)["id"] for line in lines)
+    assert sum(r["correct"] for r in results) >= 3 and all(r["samples"] == 2 for r in results)
+    # --resume (here in-process, joining the same cluster) skips what is done: nothing is added
+    again = subprocess.run([sys.executable, "-m", "orchestrator.batch", "--input", str(problems), "--output",
+                            str(tmp_path / "results.jsonl"), "--resume"], capture_output=True, text=True, timeout=600, cwd=REPO,
+                           env={**ENV, "RAY_ADDRESS": "auto"})
+    assert again.returncode == 0, again.stderr[-2000:]
+    assert len((tmp_path / "results.jsonl").read_text().splitlines()) == 4
+
+
+def test_bad_arguments_exit_2():
+    done = subprocess.run([sys.executable, "-m", "orchestrator.batch", "--input", "missing.jsonl", "--output", "x.jsonl"],
+                          capture_output=True, text=True, timeout=60, cwd=REPO)
+    assert done.returncode == 2 and "argument --input: file not found" in done.stderr
