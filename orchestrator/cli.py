@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -273,6 +274,8 @@ def make_pool(model_dir, kv_budget: int | None, workers: int):
     """The workers an eval or solve runs on: Ray actors, or (``workers == 0``) one engine in this process."""
     from workers.worker import WorkerConfig
 
+    if kv_budget is None and os.environ.get("THINKPOOL_KV_BUDGET"):
+        kv_budget = byte_size(os.environ["THINKPOOL_KV_BUDGET"])
     config = WorkerConfig(model=str(model_dir), kv_budget_bytes=kv_budget)
     if workers == 0:
         from workers.local import LocalPool

@@ -29,9 +29,22 @@ def test_readme_opens_with_the_two_setup_commands_and_ci_runs_the_test_one():
 
 def test_compose_services_point_at_real_entry_points():
     compose = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
-    assert {"redis", "ray-head", "solve"} <= set(compose["services"])
+    services = compose["services"]
+    assert {"redis", "ray-head", "ray-gpu-worker", "api", "solve"} <= set(services)
     from orchestrator.cli import build_parser
 
-    command = compose["services"]["solve"]["command"]
-    args = build_parser().parse_args(command)
+    args = build_parser().parse_args(services["solve"]["command"])
     assert args.command == "solve" and args.samples == 8
+    api = [part.replace("${THINKPOOL_WORKERS:-1}", "1") for part in services["api"]["command"]]
+    args = build_parser().parse_args(api)
+    assert args.command == "serve" and args.port == 8000 and args.host == "0.0.0.0"
+    assert services["api"]["environment"]["REDIS_URL"].startswith("redis://redis:")
+    assert services["api"]["environment"]["RAY_ADDRESS"] == "ray-head:6379"
+    assert "--port=6379" in services["ray-head"]["entrypoint"]
+    gpu = services["ray-gpu-worker"]["deploy"]["resources"]["reservations"]["devices"][0]
+    assert gpu["capabilities"] == ["gpu"] and "ray-head:6379" in " ".join(services["ray-gpu-worker"]["entrypoint"])
+    for name in ("redis", "ray-head", "api"):
+        assert "healthcheck" in services[name]
+    dockerfile = (ROOT / "Dockerfile").read_text()
+    for package in ("orchestrator", "workers", "dms_runtime", "policies", "tasks", "configs", "checkpoints"):
+        assert f"COPY {package} {package}" in dockerfile

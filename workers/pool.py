@@ -44,7 +44,10 @@ class WorkerPool(ThreadRunner):
     def __init__(self, config: WorkerConfig | None = None, num_workers: int = 1, address: str | None = None, max_retries: int = 3):
         self.config = config or WorkerConfig()
         ensure_ray(address, num_cpus=max(os.cpu_count() or 1, num_workers))
-        gpus = 1 if torch.cuda.is_available() and self.config.device in ("auto", "cuda") else 0
+        # GPUs per actor: $THINKPOOL_WORKER_GPUS (a driver without a GPU, like the API container, placing
+        # workers on GPU nodes), else one when this machine has a GPU.
+        local = 1 if torch.cuda.is_available() and self.config.device in ("auto", "cuda") else 0
+        gpus = float(os.environ.get("THINKPOOL_WORKER_GPUS", local))
         actor = ray.remote(ModelWorker).options(max_restarts=-1, num_cpus=0 if gpus else 1, num_gpus=gpus)
         self.workers = [actor.remote(self.config) for _ in range(num_workers)]
         ray.get([w.ping.remote() for w in self.workers])
