@@ -119,3 +119,56 @@ def bench_overhead(pool, prompt: str, samples: int, max_new_tokens: int, repeats
     wall, busy = sum(w for w, _ in runs), sum(b for _, b in runs)
     return {"samples": samples, "repeats": repeats, "wall_s": round(wall, 3), "engine_busy_s": round(busy, 3),
             "overhead_fraction": (wall - busy) / busy if busy else None}
+
+
+async def bench_load(url: str, concurrency: int, requests: int, samples: int = 2, api_key: str | None = None,
+                     seed: int = 0) -> dict:
+    """Drive a running server with ``requests`` solves, ``concurrency`` at a time; latency percentiles,
+    throughput, errors, lost requests (no answer at all), and the KV pool's peak against its size."""
+    import asyncio
+
+    import httpx
+
+    from tasks.chain import generate_suite
+
+    headers = {"X-API-Key": api_key} if api_key else {}
+    problems = generate_suite(requests, 1, 8, seed=seed + 5150)
+    latencies: list[float] = []
+    statuses: dict[str, int] = {}
+    gate = asyncio.Semaphore(concurrency)
+
+    async with httpx.AsyncClient(base_url=url.rstrip("/"), headers=headers, timeout=3600) as client:
+        async def one(problem: dict) -> None:
+            async with gate:
+                started = time.perf_counter()
+                try:
+                    response = await client.post("/v1/solve", json={"prompt": problem["prompt"], "samples": samples,
+                                                                    "seed": seed})
+                    key = str(response.status_code)
+                    if response.status_code == 200 and "answer" not in response.json():
+                        key = "no-answer"
+                except httpx.HTTPError as error:
+                    key = type(error).__name__
+                latencies.append(time.perf_counter() - started)
+                statuses[key] = statuses.get(key, 0) + 1
+
+        began = time.perf_counter()
+        await asyncio.gather(*(one(p) for p in problems))
+        elapsed = time.perf_counter() - began
+        metrics = (await client.get("/metrics")).text
+    gauges = {line.split()[0]: float(line.split()[1]) for line in metrics.splitlines()
+              if line.startswith("thinkpool_pool") and not line.startswith("#")}
+    ordered = sorted(latencies)
+
+    def percentile(q: float) -> float:
+        return round(ordered[min(len(ordered) - 1, int(q * len(ordered)))], 3)
+
+    return {
+        "url": url, "requests": requests, "concurrency": concurrency, "samples": samples,
+        "ok": statuses.get("200", 0), "statuses": statuses,
+        "errors": requests - statuses.get("200", 0), "server_errors": sum(v for k, v in statuses.items() if k.startswith("5")),
+        "lost": requests - sum(statuses.values()),
+        "latency_s": {"p50": percentile(0.5), "p95": percentile(0.95), "p99": percentile(0.99)},
+        "throughput_rps": requests / elapsed, "elapsed_s": round(elapsed, 3),
+        "pool_bytes": gauges.get("thinkpool_pool_bytes"), "pool_peak_bytes": gauges.get("thinkpool_pool_peak_bytes"),
+    }

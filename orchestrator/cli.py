@@ -140,6 +140,13 @@ def build_parser() -> argparse.ArgumentParser:
     overhead.add_argument("--workers", type=bounded(int, 0, 64), default=1, help="Ray worker actors (0: in this process)")
     overhead.add_argument("--json", action="store_true")
     add_model(overhead)
+    load = bench.add_parser("load", help="drive a running server: latency percentiles, errors, lost requests, pool peak")
+    load.add_argument("--url", required=True)
+    load.add_argument("--concurrency", type=bounded(int, 1, 4096), default=32)
+    load.add_argument("--requests", type=bounded(int, 1, 1_000_000), default=200)
+    load.add_argument("--samples", type=bounded(int, 1, 256), default=2)
+    load.add_argument("--api-key", default=os.environ.get("THINKPOOL_API_KEY"))
+    load.add_argument("--json", action="store_true")
 
     serve = commands.add_parser("serve", help="the REST service (FastAPI): /v1/solve, jobs, completions, metrics")
     serve.add_argument("--host", default="127.0.0.1")
@@ -486,6 +493,15 @@ def check_budget(parser, pool, problems: list[dict], options, methods) -> None:
 def cmd_bench(args, parser) -> int:
     if args.bench == "overhead":
         return cmd_bench_overhead(args, parser)
+    if args.bench == "load":
+        from orchestrator.bench import bench_load
+
+        report = asyncio.run(bench_load(args.url, args.concurrency, args.requests, args.samples, args.api_key))
+        print(json.dumps(report) if args.json else
+              f"{report['ok']}/{report['requests']} ok, lost {report['lost']}, 5xx {report['server_errors']}, "
+              f"p50 {report['latency_s']['p50']}s p95 {report['latency_s']['p95']}s p99 {report['latency_s']['p99']}s, "
+              f"pool peak {report['pool_peak_bytes']} of {report['pool_bytes']} bytes")
+        return 0
     from dms_runtime.loading import default_model_path
     from orchestrator.bench import bench_throughput
     from orchestrator.plots import plot_throughput

@@ -136,3 +136,12 @@ def test_sdk_clients_and_agent_tool(server):
     assert local.solve("a=12;b=5;c=a-b;?c", samples=1).answer == "7"
     tool = solve_tool(client)
     assert "answer 7" in tool.invoke({"problem": "a=12;b=5;c=a-b;?c", "samples": 2})
+
+
+def test_bench_load_against_the_server(server):
+    from orchestrator.bench import bench_load
+
+    report = asyncio.run(bench_load(server, concurrency=8, requests=24, samples=1, api_key="secret-key"))
+    assert report["ok"] == 24 and report["lost"] == 0 and report["server_errors"] == 0
+    assert 0 < report["pool_peak_bytes"] <= report["pool_bytes"]
+    assert report["latency_s"]["p50"] <= report["latency_s"]["p99"]
