@@ -45,7 +45,8 @@ def create_app(service_factory, store=None) -> FastAPI:
     gauges = {name: Gauge(f"thinkpool_{name}", help_, registry=registry) for name, help_ in {
         "pool_bytes": "KV pool size (bytes)", "pool_used_bytes": "KV bytes in use", "pool_peak_bytes": "KV high-water mark",
         "threads_running": "threads decoding", "threads_waiting": "threads queued", "tokens_per_s": "engine tokens per second",
-        "realized_cr": "mean realized compression of recent threads"}.items()}
+        "realized_cr": "mean realized compression of recent threads",
+        "engine_busy_seconds": "time the engines spent stepping, all workers"}.items()}
     state: dict = {"events": {}, "tasks": {}, "recent_cr": []}
     keys = [k for k in os.environ.get("THINKPOOL_API_KEYS", "").split(",") if k]
 
@@ -85,7 +86,8 @@ def create_app(service_factory, store=None) -> FastAPI:
         store.save(job)
         publish(job.id, "state", {"state": "running"})
         try:
-            job.result = await state["service"].solve(job.request, job_id=job.id)
+            job.result = await state["service"].solve(job.request, job_id=job.id,
+                                                      on_event=lambda name, data: publish(job.id, name, data))
             job.state = "done"
             record(job.result)
             publish(job.id, "votes", {"votes": job.result.votes, "answer": job.result.answer})
@@ -215,6 +217,7 @@ def create_app(service_factory, store=None) -> FastAPI:
         gauges["threads_running"].set(sum(s.running for s in stats))
         gauges["threads_waiting"].set(sum(s.waiting for s in stats))
         gauges["tokens_per_s"].set(sum(s.tokens_per_s for s in stats))
+        gauges["engine_busy_seconds"].set(sum(s.busy_s for s in stats))
         recent = state["recent_cr"]
         gauges["realized_cr"].set(sum(recent) / len(recent) if recent else 0)
         return PlainTextResponse(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)

@@ -172,3 +172,30 @@ async def bench_load(url: str, concurrency: int, requests: int, samples: int = 2
         "throughput_rps": requests / elapsed, "elapsed_s": round(elapsed, 3),
         "pool_bytes": gauges.get("thinkpool_pool_bytes"), "pool_peak_bytes": gauges.get("thinkpool_pool_peak_bytes"),
     }
+
+
+def bench_rest_overhead(url: str, prompt: str, samples: int, max_new_tokens: int, repeats: int = 3,
+                        api_key: str | None = None) -> dict:
+    """Like :func:`bench_overhead`, through a running server: the wall time of ``POST /v1/solve`` against
+    the engines' busy time for it (``thinkpool_engine_busy_seconds`` from ``/metrics``)."""
+    import httpx
+
+    headers = {"X-API-Key": api_key} if api_key else {}
+
+    def busy() -> float:
+        text = httpx.get(f"{url}/metrics", headers=headers).text
+        return next(float(line.split()[1]) for line in text.splitlines() if line.startswith("thinkpool_engine_busy_seconds "))
+
+    def one(index: int) -> tuple[float, float]:
+        before = busy()
+        started = time.perf_counter()
+        response = httpx.post(f"{url}/v1/solve", headers=headers, timeout=3600, json={
+            "prompt": prompt.strip(), "samples": samples, "max_tokens": max_new_tokens, "seed": 1000 + index})
+        response.raise_for_status()
+        return time.perf_counter() - started, busy() - before
+
+    one(-1)
+    runs = [one(i) for i in range(repeats)]
+    wall, engine = sum(w for w, _ in runs), sum(b for _, b in runs)
+    return {"samples": samples, "repeats": repeats, "wall_s": round(wall, 3), "engine_busy_s": round(engine, 3),
+            "overhead_fraction": (wall - engine) / engine if engine else None, "path": "rest"}

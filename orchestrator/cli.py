@@ -138,6 +138,7 @@ def build_parser() -> argparse.ArgumentParser:
     overhead.add_argument("--max-new-tokens", type=bounded(int, 16, 8192), default=settings.sampling.max_new_tokens)
     overhead.add_argument("--repeats", type=bounded(int, 1, 100), default=3)
     overhead.add_argument("--workers", type=bounded(int, 0, 64), default=1, help="Ray worker actors (0: in this process)")
+    overhead.add_argument("--url", default=None, help="measure through this running server (REST + its workers)")
     overhead.add_argument("--json", action="store_true")
     add_model(overhead)
     load = bench.add_parser("load", help="drive a running server: latency percentiles, errors, lost requests, pool peak")
@@ -528,8 +529,14 @@ def cmd_bench(args, parser) -> int:
 
 def cmd_bench_overhead(args, parser) -> int:
     from dms_runtime.loading import default_model_path
-    from orchestrator.bench import bench_overhead, hard_prompts
+    from orchestrator.bench import bench_overhead, bench_rest_overhead, hard_prompts
 
+    if args.url:
+        report = bench_rest_overhead(args.url, hard_prompts(1)[0], args.samples, args.max_new_tokens, args.repeats,
+                                     os.environ.get("THINKPOOL_API_KEY"))
+        print(json.dumps(report) if args.json else f"rest: wall {report['wall_s']}s, engine busy {report['engine_busy_s']}s, "
+              f"overhead {100 * report['overhead_fraction']:.1f}%")
+        return 0
     pool = make_pool(args.model or default_model_path(), None, args.workers)
     report = bench_overhead(pool, hard_prompts(1)[0], args.samples, args.max_new_tokens, args.repeats)
     pool.shutdown()

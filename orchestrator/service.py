@@ -34,7 +34,14 @@ class SolveService:
         if self.profile is not None:
             ratios = sorted(set(self.ratios) & {e.cr for e in self.profile.entries})
             self.controller = Controller(pool, self.profile, tokenizer, self.info["geometry"]["kv_bytes_per_token"], ratios,
-                                         temperature=self.settings.sampling.temperature, checkpointer=checkpointer)
+                                         temperature=self.settings.sampling.temperature, checkpointer=checkpointer,
+                                         on_chunk=self._chunk_done)
+        self._listeners: dict[str, object] = {}  # job id -> on_event(name, data)
+
+    def _chunk_done(self, task_id: str, samples: list[int]) -> None:
+        listener = self._listeners.get(task_id)
+        if listener is not None:
+            listener("threads", {"samples": samples})
 
     def check(self, request: SolveRequest) -> None:
         """Raise ``ValueError`` naming the field for a request this deployment cannot run (before any work)."""
@@ -49,13 +56,22 @@ class SolveService:
         if budget < per_token * (tokens + limit) / max(self.ratios):
             raise ValueError(f"kv_budget: {budget} bytes cannot hold one thread of {tokens + limit} tokens")
 
-    async def solve(self, request: SolveRequest, job_id: str | None = None) -> SolveResult:
+    async def solve(self, request: SolveRequest, job_id: str | None = None, on_event=None) -> SolveResult:
+        """Run one request; ``on_event(name, data)`` hears each finished thread (or chunk) and the plan's rounds."""
         self.check(request)
         job_id = job_id or uuid.uuid4().hex[:12]
         started = time.perf_counter()
         if request.samples == "auto" and self.controller is not None:
             budget = Budget(request.kv_budget or self.info["kv_budget_bytes"], max_threads=32)
-            state = await self.controller.solve(job_id, request.prompt, budget, seed=request.seed)
+            if on_event is not None:
+                self._listeners[job_id] = on_event
+            try:
+                state = await self.controller.solve(job_id, request.prompt, budget, seed=request.seed)
+            finally:
+                self._listeners.pop(job_id, None)
+            if on_event is not None:
+                for event in state["rounds"]:
+                    on_event("escalation" if event["event"] == "escalate" else event["event"], event)
             threads = [ThreadSummary(**t) for t in state["threads"]]
             cr, answer, votes, reason = state["cr"], state["answer"], state["votes"], state["stop_reason"]
         else:
@@ -64,7 +80,12 @@ class SolveService:
             temperature = request.temperature if request.temperature is not None else self.settings.sampling.temperature
             params = SamplingParams(0.0 if samples == 1 else temperature, self.settings.sampling.top_p,
                                     request.max_tokens or self.settings.sampling.max_new_tokens, request.seed)
-            results = await self.pool.collect(ProblemRequest(job_id, format_prompt(request.prompt), tuple(range(samples)), params, cr))
+            def thread_done(result) -> None:
+                if on_event is not None:
+                    on_event("thread", {"sample": result.sample_index, "answer": result.answer, "tokens": result.tokens})
+
+            results = await self.pool.collect(ProblemRequest(job_id, format_prompt(request.prompt), tuple(range(samples)), params, cr),
+                                              thread_done)
             threads = [ThreadSummary(sample=r.sample_index, answer=r.answer, tokens=r.tokens, mean_logprob=r.mean_logprob,
                                      realized_cr=r.realized_cr, cr=r.cr, finish_reason=r.finish_reason) for r in results]
             vote = majority_vote([t.answer for t in threads])
