@@ -17,6 +17,7 @@ import os
 import time
 import uuid
 from contextlib import asynccontextmanager
+from dataclasses import dataclass
 
 from fastapi import Depends, FastAPI, HTTPException, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
@@ -38,6 +39,30 @@ class CompletionRequest(BaseModel):
     seed: int = Field(0, ge=0)
 
 
+@dataclass(frozen=True)
+class KeyLimits:
+    """What one API key may ask for (``THINKPOOL_API_KEYS=key[:max_samples[:max_kv_budget]],...``)."""
+
+    max_samples: int | None = None
+    max_kv_budget: int | None = None
+
+    def check(self, body: SolveRequest) -> None:
+        samples = 1 if body.samples == "auto" else body.samples
+        if self.max_samples is not None and samples > self.max_samples:
+            raise ValueError(f"samples: at most {self.max_samples} for this API key")
+        if self.max_kv_budget is not None and (body.kv_budget is None or body.kv_budget > self.max_kv_budget):
+            raise ValueError(f"kv_budget: at most {self.max_kv_budget} bytes for this API key (set it explicitly)")
+
+
+def parse_keys(text: str) -> dict[str, KeyLimits]:
+    keys = {}
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        key, *limits = item.split(":")
+        numbers = [int(x) if x else None for x in limits] + [None, None]
+        keys[key] = KeyLimits(numbers[0], numbers[1])
+    return keys
+
+
 def create_app(service_factory, store=None) -> FastAPI:
     """``service_factory()`` builds the SolveService at start-up (the workers load then, not at import)."""
     registry = CollectorRegistry()
@@ -48,7 +73,7 @@ def create_app(service_factory, store=None) -> FastAPI:
         "realized_cr": "mean realized compression of recent threads",
         "engine_busy_seconds": "time the engines spent stepping, all workers"}.items()}
     state: dict = {"events": {}, "tasks": {}, "recent_cr": []}
-    keys = [k for k in os.environ.get("THINKPOOL_API_KEYS", "").split(",") if k]
+    keys = parse_keys(os.environ.get("THINKPOOL_API_KEYS", ""))
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -61,12 +86,17 @@ def create_app(service_factory, store=None) -> FastAPI:
 
     app = FastAPI(title="thinkpool", version="0.1", lifespan=lifespan)
 
-    async def authorized(request: Request) -> None:
+    async def authorized(request: Request) -> KeyLimits | None:
         if not keys:
-            return
+            return None
         given = request.headers.get("x-api-key") or request.headers.get("authorization", "").removeprefix("Bearer ").strip()
-        if not any(hmac.compare_digest(given.encode(), key.encode()) for key in keys):
+        found = None
+        for key, limits in keys.items():  # every key compared, in constant time each
+            if hmac.compare_digest(given.encode(), key.encode()):
+                found = limits
+        if found is None:
             raise HTTPException(status_code=401, detail="missing or unknown API key (X-API-Key or Authorization: Bearer)")
+        return found
 
     @app.middleware("http")
     async def limit_body(request: Request, call_next):
@@ -105,10 +135,15 @@ def create_app(service_factory, store=None) -> FastAPI:
     def unprocessable(field: str, message: str) -> JSONResponse:
         return JSONResponse(status_code=422, content={"detail": [{"loc": ["body", field], "msg": message, "type": "value_error"}]})
 
-    @app.post("/v1/solve", response_model=None, dependencies=[Depends(authorized)])
-    async def solve(body: SolveRequest):
+    @app.post("/v1/solve", response_model=None, responses={
+        200: {"model": SolveResult, "description": "the result (synchronous request)"},
+        202: {"description": "accepted: {id, state} (with \"async\": true)"},
+        422: {"description": "invalid request: detail names the field and the limit"}})
+    async def solve(body: SolveRequest, limits: KeyLimits | None = Depends(authorized)):
         service, store = state["service"], state["store"]
         try:
+            if limits is not None:
+                limits.check(body)
             service.check(body)
         except ValueError as error:
             field, _, message = str(error).partition(": ")

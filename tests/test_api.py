@@ -24,7 +24,7 @@ def free_port() -> int:
 
 @pytest.fixture(scope="module")
 def server(monkeypatch_module):
-    monkeypatch_module.setenv("THINKPOOL_API_KEYS", "secret-key")
+    monkeypatch_module.setenv("THINKPOOL_API_KEYS", "secret-key,small-key:2:5000000")
     port = free_port()
     app = create_app(service_factory(SHIPPED_MODEL, 20_000_000, 0), store=MemoryJobStore())
     config = uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning")
@@ -59,6 +59,20 @@ def test_health_is_open_and_everything_else_needs_a_key(server):
     assert httpx.get(f"{server}/v1/models", headers={"Authorization": "Bearer wrong"}).status_code == 401
     models = httpx.get(f"{server}/v1/models", headers=AUTH).json()
     assert models["object"] == "list" and models["data"][0]["id"] == "chain-qwen3"
+
+
+def test_per_key_limits(server):
+    small = {"X-API-Key": "small-key"}
+    response = httpx.post(f"{server}/v1/solve", json={"prompt": "a=1;b=2;c=a+b;?c", "samples": 3, "kv_budget": 4000000},
+                          headers=small)
+    assert response.status_code == 422 and "at most 2 for this API key" in response.json()["detail"][0]["msg"]
+    response = httpx.post(f"{server}/v1/solve", json={"prompt": "a=1;b=2;c=a+b;?c", "samples": 2}, headers=small)
+    assert response.status_code == 422 and response.json()["detail"][0]["loc"] == ["body", "kv_budget"]
+    ok = httpx.post(f"{server}/v1/solve", json={"prompt": "a=12;b=5;c=a-b;?c", "samples": 2, "kv_budget": 5000000,
+                                                "max_tokens": 300}, headers=small, timeout=120)
+    assert ok.status_code == 200 and ok.json()["answer"] == "7"
+    spec = httpx.get(f"{server}/openapi.json").json()
+    assert {"202", "422"} <= set(spec["paths"]["/v1/solve"]["post"]["responses"])
 
 
 def test_sync_solve_and_cached_repeat(server):
