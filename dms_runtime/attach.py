@@ -72,9 +72,9 @@ class DMSHandle:
         return pre_hook
 
     @staticmethod
-    def _make_zero_hook(attention: nn.Module, channels: list[int]):
+    def _make_zero_hook(attention_module: nn.Module, channels: list[int]):
         def zero_hook(module, args, output):
-            if attention.dms.mode == "off":  # the vanilla model (e.g. the frozen teacher) keeps its channel
+            if attention_module.dms.mode == "off":  # the vanilla model (e.g. the frozen teacher) keeps its channel
                 return None
             output = output.clone()
             output[..., channels] = 0

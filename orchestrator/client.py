@@ -90,7 +90,7 @@ class LocalClient:
 
     def __init__(self, model: str | None = None, kv_budget: int | None = None):
         from dms_runtime.loading import default_model_path
-        from orchestrator.cli import service_factory
+        from orchestrator.service import service_factory
 
         self.service = service_factory(model or default_model_path(), kv_budget, 0)()
 

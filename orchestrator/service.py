@@ -97,3 +97,16 @@ class SolveService:
             kv_peak_bytes=max((s.pool_peak_bytes for s in stats), default=0), tokens=sum(t.tokens for t in threads),
             time_s=round(time.perf_counter() - started, 3), stop_reason=reason,
         )
+
+
+def service_factory(model_dir, kv_budget: int | None, workers: int):
+    """Builds the SolveService when the API starts (workers load then, not when the module is imported)."""
+    def build():
+        from transformers import AutoTokenizer
+
+        from orchestrator.commands.common import make_pool
+
+        pool = make_pool(model_dir, kv_budget, workers)
+        return SolveService(pool, AutoTokenizer.from_pretrained(model_dir, local_files_only=True))
+
+    return build

@@ -1,7 +1,7 @@
 """The REST service over real HTTP (uvicorn on a loopback port, the engine in-process)."""
 
 import asyncio
-import json
+
 import socket
 import threading
 import time
@@ -11,7 +11,7 @@ import pytest
 import uvicorn
 
 from orchestrator.api import create_app
-from orchestrator.cli import service_factory
+from orchestrator.service import service_factory
 from orchestrator.jobs import MemoryJobStore
 from dms_runtime.loading import SHIPPED_MODEL
 

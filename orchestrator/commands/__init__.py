@@ -1,0 +1,1 @@
+"""One module per ``thinkpool`` command (the parser lives in :mod:`orchestrator.cli`)."""

@@ -1,0 +1,68 @@
+"""``thinkpool bench throughput | overhead | load``."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import sys
+
+from orchestrator.commands.common import make_pool
+
+
+def cmd_bench(args, parser) -> int:
+    if args.bench == "overhead":
+        return cmd_bench_overhead(args, parser)
+    if args.bench == "load":
+        from orchestrator.bench import bench_load
+
+        report = asyncio.run(bench_load(args.url, args.concurrency, args.requests, args.samples, args.api_key))
+        print(json.dumps(report) if args.json else
+              f"{report['ok']}/{report['requests']} ok, lost {report['lost']}, 5xx {report['server_errors']}, "
+              f"p50 {report['latency_s']['p50']}s p95 {report['latency_s']['p95']}s p99 {report['latency_s']['p99']}s, "
+              f"pool peak {report['pool_peak_bytes']} of {report['pool_bytes']} bytes")
+        return 0
+    from dms_runtime.loading import default_model_path
+    from orchestrator.bench import bench_throughput
+    from orchestrator.plots import plot_throughput
+    from workers.worker import available_ratios
+
+    model_dir = args.model or default_model_path()
+    missing = [cr for cr in args.cr or [] if cr != 1 and cr not in available_ratios(model_dir)]
+    if missing:
+        parser.error(f"argument --cr: no DMS adapter for {missing[0]:g}x beside {model_dir}")
+    report = bench_throughput(model_dir, args.kv_budget, args.max_new_tokens, args.prompts, args.seed, ratios=args.cr,
+                              progress=lambda line: print(line, file=sys.stderr))
+    if not any(run["threads"] for run in report["runs"][1:]):
+        parser.error(f"argument --kv-budget: {args.kv_budget} bytes cannot hold one thread of {args.max_new_tokens} tokens")
+    if args.plot:
+        plot_throughput(report, args.plot)
+    if args.json:
+        print(json.dumps(report))
+    else:
+        for run in report["runs"]:
+            print(f"{run['method']:>11} {run['cr']:>4g}x  threads={run['threads']:>4}  tokens/s={run['tokens_per_s']:8.1f}  "
+                  f"kv_peak_bytes={run['kv_peak_bytes']}")
+    return 0
+
+
+def cmd_bench_overhead(args, parser) -> int:
+    from dms_runtime.loading import default_model_path
+    from orchestrator.bench import bench_overhead, bench_rest_overhead, hard_prompts
+
+    if args.url:
+        report = bench_rest_overhead(args.url, hard_prompts(1)[0], args.samples, args.max_new_tokens, args.repeats,
+                                     os.environ.get("THINKPOOL_API_KEY"))
+        print(json.dumps(report) if args.json else f"rest: wall {report['wall_s']}s, engine busy {report['engine_busy_s']}s, "
+              f"overhead {100 * report['overhead_fraction']:.1f}%")
+        return 0
+    pool = make_pool(args.model or default_model_path(), None, args.workers)
+    report = bench_overhead(pool, hard_prompts(1)[0], args.samples, args.max_new_tokens, args.repeats)
+    pool.shutdown()
+    report["path"] = "ray" if args.workers else "in-process"
+    if args.json:
+        print(json.dumps(report))
+    else:
+        print(f"{report['path']}: wall {report['wall_s']}s, engine busy {report['engine_busy_s']}s, "
+              f"overhead {100 * report['overhead_fraction']:.1f}%")
+    return 0

@@ -1,0 +1,33 @@
+"""``thinkpool calibrate``: measure the planner's profile."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+from pathlib import Path
+
+from orchestrator.commands.common import make_pool
+
+
+def cmd_calibrate(args, parser) -> int:
+    from dms_runtime.loading import default_model_path
+    from orchestrator.calibrate import calibrate
+    from workers.worker import available_ratios
+
+    model_dir = args.model or default_model_path()
+    ratios = args.cr or [1.0] + available_ratios(model_dir)
+    missing = [cr for cr in ratios if cr != 1 and cr not in available_ratios(model_dir)]
+    if missing:
+        parser.error(f"argument --cr: no DMS adapter for {missing[0]:g}x beside {model_dir}")
+    pool = make_pool(model_dir, None, args.workers)
+    window = 16
+    adapters = sorted(Path(model_dir).glob("dms-*x.json"))
+    if adapters:
+        window = json.loads(adapters[0].read_text())["dms_config"]["window"]
+    profile = asyncio.run(calibrate(pool, args.bins, ratios, args.problems, args.threads, args.max_new_tokens,
+                                    args.temperature, args.seed, str(model_dir), window,
+                                    progress=lambda line: print(line, file=sys.stderr)))
+    pool.shutdown()
+    print(f"profile: {profile.save(args.output)}")
+    return 0

@@ -1,0 +1,175 @@
+"""``thinkpool eval``: a problem file through the workers (or the reference loop for kvpress baselines, or the controller)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+import time
+
+from orchestrator.commands.common import load_model_or_exit, make_pool
+
+
+def eval_methods(args, parser, model_dir) -> list:
+    """The KV methods an eval run compares, checked before any work starts."""
+    from workers.kv_methods import KVMethod, check_available
+
+    if (args.press is None) != (args.compression is None):
+        parser.error("argument --press: --press and --compression go together (--press NAME --compression X)")
+    methods = [KVMethod.dms(cr) for cr in (args.cr or ([] if args.press else [1.0]))]
+    try:
+        methods += [KVMethod.baseline(name, args.compression) for name in args.press or []]
+        for method in methods:
+            check_available(method, model_dir)
+    except ValueError as error:
+        option = "--press" if "press" in str(error) else "--cr"
+        parser.error(f"argument {option}: {error}")
+    return methods
+
+
+def cmd_eval(args, parser) -> int:
+    from orchestrator.evaluate import EvalOptions, evaluate, evaluate_on_pool
+    from orchestrator.plots import plot_accuracy_by_k, plot_pareto
+    from tasks.jsonl import ProblemFileError, read_problems, write_jsonl
+    from workers.kv_methods import kv_policy
+
+    try:
+        problems = read_problems(args.problems, args.limit)
+    except ProblemFileError as error:
+        parser.error(f"argument --problems: {error}")
+    from dms_runtime.loading import default_model_path
+
+    model_dir = args.model or default_model_path()
+    methods = eval_methods(args, parser, model_dir)
+    if args.press and (args.kv_budget or args.samples == "fit"):
+        parser.error("argument --kv-budget: --kv-budget and --samples fit run on the engine; --press runs use the reference loop")
+    fit = args.samples == "fit"
+    options = EvalOptions(
+        samples=1 if fit else args.samples,
+        seed=args.seed,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        max_new_tokens=args.max_new_tokens,
+        batch_size=args.batch_size,
+    )
+    if args.controller:
+        return eval_controller(args, parser, problems, model_dir, options)
+    runs, records = [], []
+    engine_methods = [m for m in methods if m.kind in ("vanilla", "dms")]
+    if engine_methods:
+        pool = make_pool(model_dir, args.kv_budget, args.workers)
+        check_budget(parser, pool, problems, options, engine_methods)
+        for method in engine_methods:
+            report = asyncio.run(evaluate_on_pool(problems, pool, options, method.ratio if method.kind == "dms" else 1.0,
+                                                  method.label, fit=fit, sequential=args.kv_budget is not None))
+            records += [{"method": method.label, **r} for r in report.pop("problems")]
+            runs.append(report)
+        pool.shutdown()
+    reference = [m for m in methods if m.kind not in ("vanilla", "dms")]
+    if reference:
+        model, tokenizer, name = load_model_or_exit(args, parser)
+        for method in reference:
+            with kv_policy(method, model, model_dir) as kv:
+                report = evaluate(problems, model, tokenizer, options, name, progress=True, kv=kv, method=method.label)
+            records += [{"method": method.label, **r} for r in report.pop("problems")]
+            runs.append(report)
+    if args.output:
+        write_jsonl(args.output, records)
+    if args.plot and len(runs) == 1:
+        label = "greedy" if args.samples == 1 else f"vote@{args.samples}"
+        plot_accuracy_by_k({label: runs[0]}, args.plot, title=f"{args.problems.name}: accuracy by difficulty")
+    elif args.plot:
+        plot_pareto(runs, args.plot, title=f"{args.problems.name}: accuracy against KV compression")
+    if args.json:
+        print(json.dumps(runs[0] if len(runs) == 1 else {"runs": runs}))
+    else:
+        for report in runs:
+            print(f"{report['method']}: n={report['n']} accuracy={report['accuracy']:.3f} "
+                  f"realized_cr={report['realized_cr']:.2f} tokens={report['tokens_generated']} "
+                  f"tokens/s={report['tokens_per_s']:.0f} kv_peak_bytes={report['kv_peak_bytes']} "
+                  f"samples/problem={report['samples_per_problem']:g}")
+            for k, accuracy in report["accuracy_by_k"].items():
+                print(f"  k={k:>2}  {accuracy:.3f}  (n={report['n_by_k'][k]})")
+    return 0
+
+
+def eval_controller(args, parser, problems: list[dict], model_dir, options) -> int:
+    """``eval --controller auto``: every problem through the controller, one at a time, each with the whole pool."""
+    from orchestrator.controller import Budget, Controller, check_budget as controller_budget
+    from orchestrator.evaluate import summarize
+    from policies.extraction import answers_match
+    from policies.planner import CalibrationProfile
+    from tasks.prompt import format_prompt
+    from workers.worker import available_ratios
+
+    if args.kv_budget is None:
+        parser.error("argument --controller: needs --kv-budget (the memory each problem's threads may hold)")
+    if not args.profile.is_file():
+        parser.error(f"argument --profile: no calibration profile at {args.profile} (run thinkpool calibrate)")
+    profile = CalibrationProfile.load(args.profile)
+    ratios = sorted({1.0, *available_ratios(model_dir)} & {e.cr for e in profile.entries})
+    pool = make_pool(model_dir, args.kv_budget, args.workers)
+    info = pool.info()
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
+    budget = Budget(kv_budget_bytes=args.kv_budget, max_threads=args.max_threads)
+    longest = max((p["prompt"] for p in problems), key=len)
+    try:
+        controller_budget(profile, info["geometry"]["kv_bytes_per_token"], ratios, len(tokenizer(format_prompt(longest))["input_ids"]), budget)
+    except ValueError as error:
+        pool.shutdown()
+        parser.error(f"argument --kv-budget: {error}")
+    controller = Controller(pool, profile, tokenizer, info["geometry"]["kv_bytes_per_token"], ratios,
+                            temperature=options.temperature)
+    records, tokens = [], 0
+    started = time.perf_counter()
+    for index, problem in enumerate(problems):
+        state = asyncio.run(controller.solve(f"eval-{index}-{problem['id']}", problem["prompt"], budget, seed=options.seed * 1_000_003 + index))
+        threads = state["threads"]
+        tokens += sum(t["tokens"] for t in threads)
+        records.append({"id": problem["id"], "k": problem.get("k"), "expected": problem["answer"], "answer": state["answer"],
+                        "correct": answers_match(state["answer"], problem["answer"]), "votes": state["votes"],
+                        "thread_accuracy": sum(answers_match(t["answer"], problem["answer"]) for t in threads) / len(threads),
+                        "threads": len(threads), "cr": state["cr"], "stop_reason": state["stop_reason"],
+                        "tokens": sum(t["tokens"] for t in threads), "rounds": state["rounds"]})
+        print(f"{problem['id']}: k={problem.get('k')} {state['cr']:g}x x{len(threads)} -> {state['answer']} "
+              f"({'right' if records[-1]['correct'] else 'wrong'}, {state['stop_reason']})", file=sys.stderr)
+    stats = [s for s in asyncio.run(pool.stats()) if s is not None]
+    pool.shutdown()
+    report = {
+        "method": "controller",
+        **summarize(records, tokens, time.perf_counter() - started),
+        "kv_peak_bytes": max(s.pool_peak_bytes for s in stats),
+        "kv_budget_bytes": args.kv_budget,
+        "samples_per_problem": sum(r["threads"] for r in records) / len(records),
+        "ratios_chosen": {f"{cr:g}": sum(r["cr"] == cr for r in records) for cr in sorted({r["cr"] for r in records})},
+        "threads_chosen": {str(n): sum(r["threads"] == n for r in records) for n in sorted({r["threads"] for r in records})},
+        "config": {"model": str(model_dir), "profile": str(args.profile), "max_threads": args.max_threads,
+                   "temperature": options.temperature, "seed": options.seed},
+    }
+    if args.output:
+        from tasks.jsonl import write_jsonl
+
+        write_jsonl(args.output, records)
+    if args.json:
+        print(json.dumps(report))
+    else:
+        print(f"controller: n={report['n']} accuracy={report['accuracy']:.3f} tokens={report['tokens_generated']} "
+              f"threads/problem={report['samples_per_problem']:.1f} ratios={report['ratios_chosen']}")
+    return 0
+
+
+def check_budget(parser, pool, problems: list[dict], options, methods) -> None:
+    """Refuse, before any work, a KV budget that cannot hold one thread of the longest problem."""
+    from tasks.prompt import format_prompt
+    from workers.thread import SamplingParams
+
+    longest = max((format_prompt(p["prompt"]) for p in problems), key=len)
+    params = SamplingParams(max_new_tokens=options.max_new_tokens)
+    for method in methods:
+        cr = method.ratio if method.kind == "dms" else 1.0
+        if asyncio.run(pool.fit(longest, params, cr)) < 1:
+            pool.shutdown()
+            parser.error(f"argument --kv-budget: {pool.info()['kv_budget_bytes']} bytes cannot hold one thread "
+                         f"({options.max_new_tokens} new tokens at {cr:g}x) of the longest problem")

@@ -1,0 +1,88 @@
+"""``thinkpool info | generate | train | retrofit``: the model and its training."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from orchestrator.commands.common import load_model_or_exit
+
+
+def cmd_info(args, parser) -> int:
+    from dms_runtime.loading import kv_geometry
+
+    model, _, name = load_model_or_exit(args, parser)
+    config = model.config
+    info = {
+        "model": name,
+        "architecture": type(model).__name__,
+        "parameters": sum(p.numel() for p in model.parameters()),
+        "hidden_size": config.hidden_size,
+        "num_attention_heads": config.num_attention_heads,
+        "vocab_size": config.vocab_size,
+        "max_position_embeddings": config.max_position_embeddings,
+        **kv_geometry(model).as_dict(),
+    }
+    if args.json:
+        print(json.dumps(info))
+    else:
+        for key, value in info.items():
+            print(f"{key}: {value}")
+    return 0
+
+
+def cmd_generate(args, parser) -> int:
+    from tasks.chain import generate_suite
+    from tasks.jsonl import write_jsonl
+
+    records = generate_suite(args.n, *args.k, seed=args.seed, reach=args.reach)
+    write_jsonl(args.output, records)
+    print(f"wrote {len(records)} problems (k {args.k[0]}-{args.k[1]}, seed {args.seed}) to {args.output}")
+    return 0
+
+
+def cmd_train(args, parser) -> int:
+    from pydantic import ValidationError
+
+    from dms_runtime.base_train import TrainConfig, train
+
+    if not args.config.is_file():
+        parser.error(f"argument --config: file not found: {args.config}")
+    try:
+        config = TrainConfig.from_yaml(args.config)
+    except ValidationError as error:
+        parser.error(f"argument --config: {error}")
+    path = train(config, steps=args.steps)
+    print(f"checkpoint: {path}")
+    return 0
+
+
+def cmd_retrofit(args, parser) -> int:
+    from pydantic import ValidationError
+
+    from dms_runtime.retrofit import RetrofitConfig, retrofit
+
+    if not args.config.is_file():
+        parser.error(f"argument --config: file not found: {args.config}")
+    overrides = {
+        "model": str(args.model) if args.model else None,
+        "output": str(args.output) if args.output else None,
+        "ratios": args.ratios,
+        "window": args.window,
+        "parametrization": args.parametrization,
+        "per_head": False if args.per_layer else None,
+        "full_finetune": True if args.full_finetune else None,
+    }
+    try:
+        import yaml
+
+        data = yaml.safe_load(args.config.read_text()) or {}
+        config = RetrofitConfig.model_validate(data | {k: v for k, v in overrides.items() if v is not None})
+    except ValidationError as error:
+        parser.error(f"argument --config: {error}")
+    if not (Path(config.model) / "config.json").is_file():
+        parser.error(f"argument --model: no model at {config.model}")
+    for path in retrofit(config, steps=args.steps):
+        print(f"adapter: {path}")
+    return 0
+
