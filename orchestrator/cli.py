@@ -55,12 +55,12 @@ def byte_size(text: str) -> int:
     return value
 
 
-def sample_count(maximum: int) -> Callable:
-    """``fit`` (as many threads as the KV pool holds) or a thread count in 1..maximum."""
+def sample_count(maximum: int, word: str = "fit") -> Callable:
+    """``word`` (``fit``: as many threads as the KV pool holds; ``auto``: the controller) or a count in 1..maximum."""
     count = bounded(int, 1, maximum)
 
     def convert(text: str):
-        return "fit" if text == "fit" else count(text)
+        return word if text == word else count(text)
 
     return convert
 
@@ -74,8 +74,11 @@ def build_parser() -> argparse.ArgumentParser:
     def add_model(p: argparse.ArgumentParser) -> None:
         p.add_argument("--model", type=Path, default=None, help="model directory (default: the shipped model)")
 
-    def add_sampling(p: argparse.ArgumentParser, allow_fit: bool = False) -> None:
-        if allow_fit:
+    def add_sampling(p: argparse.ArgumentParser, allow_fit: bool = False, allow_auto: bool = False) -> None:
+        if allow_auto:
+            p.add_argument("--samples", type=sample_count(max_samples, word="auto"), default=1,
+                           help="threads (1 = greedy) or auto: the controller chooses ratio and threads")
+        elif allow_fit:
             p.add_argument("--samples", type=sample_count(max_samples), default=1,
                            help="threads per problem (1 = greedy; fit = as many as the KV pool holds at once)")
         else:
@@ -87,7 +90,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     solve = commands.add_parser("solve", help="solve one problem on the embedded default")
     solve.add_argument("prompt", help="a chain problem, e.g. 'a=1;b=2;c=a+b;?c'")
-    add_sampling(solve)
+    add_sampling(solve, allow_auto=True)
     add_model(solve)
     solve.add_argument("--cr", type=bounded(float, 1, 64), default=1.0, help="DMS compression ratio (1 = vanilla)")
     solve.add_argument("--workers", type=bounded(int, 0, 64), default=1, help="Ray worker actors (0: in this process)")

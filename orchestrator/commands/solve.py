@@ -1,4 +1,4 @@
-"""``thinkpool solve``: one problem through the workers."""
+"""``thinkpool solve``: one problem through the same service the REST API and the SDK use."""
 
 from __future__ import annotations
 
@@ -7,16 +7,14 @@ import json
 import time
 from pathlib import Path
 
-from orchestrator.commands.common import make_pool
-
 
 def cmd_solve(args, parser) -> int:
+    from pydantic import ValidationError
+
     from dms_runtime.loading import default_model_path
-    from policies.voting import majority_vote
+    from orchestrator.schemas import SolveRequest
+    from orchestrator.service import service_factory
     from tasks.chain import ProblemError, parse_problem
-    from tasks.prompt import format_prompt
-    from workers.thread import SamplingParams
-    from workers.worker import ProblemRequest, available_ratios
 
     try:
         parse_problem(args.prompt)
@@ -25,29 +23,26 @@ def cmd_solve(args, parser) -> int:
     model_dir = args.model or default_model_path()
     if not (Path(model_dir) / "config.json").is_file():
         parser.error(f"argument --model: no model at {model_dir}: expected a Hugging Face checkpoint directory with config.json")
-    if args.cr != 1 and args.cr not in available_ratios(model_dir):
-        parser.error(f"argument --cr: no DMS adapter for {args.cr:g}x beside {model_dir}")
+    try:
+        request = SolveRequest(prompt=args.prompt, samples=args.samples, cr=args.cr, max_tokens=args.max_new_tokens,
+                               temperature=args.temperature, seed=args.seed)
+    except ValidationError as error:
+        first = error.errors()[0]
+        parser.error(f"argument --{str(first['loc'][0]).replace('_', '-')}: {first['msg']}")
     started = time.perf_counter()
-    pool = make_pool(model_dir, None, args.workers)
-    params = SamplingParams(0.0 if args.samples == 1 else args.temperature, args.top_p, args.max_new_tokens, args.seed)
-    threads = pool.solve(ProblemRequest("solve", format_prompt(args.prompt), tuple(range(args.samples)), params, args.cr))
-    stats = [s for s in asyncio.run(pool.stats()) if s is not None]
-    pool.shutdown()
-    vote = majority_vote([t.answer for t in threads])
-    report = {
-        "prompt": args.prompt,
-        "answer": vote.answer,
-        "votes": vote.counts,
-        "samples": args.samples,
-        "cr": args.cr,
-        "tokens": sum(t.tokens for t in threads),
-        "realized_cr": sum(t.realized_cr for t in threads) / len(threads),
-        "kv_peak_bytes": max(s.pool_peak_bytes for s in stats),
-        "time_s": round(time.perf_counter() - started, 3),
-    }
+    service = service_factory(model_dir, None, args.workers)()
+    try:
+        result = asyncio.run(service.solve(request))
+    except ValueError as error:
+        service.pool.shutdown()
+        field, _, message = str(error).partition(": ")
+        parser.error(f"argument --{field.replace('_', '-')}: {message}")
+    service.pool.shutdown()
+    report = {"prompt": args.prompt, **result.model_dump(exclude={"threads"}), "time_s": round(time.perf_counter() - started, 3)}
     if args.json:
         print(json.dumps(report))
     else:
-        votes = ", ".join(f"{a}: {c}" for a, c in vote.counts.items()) or "no thread answered"
-        print(f"answer: {vote.answer}\nvotes: {votes}\ntokens: {report['tokens']}  time: {report['time_s']}s")
+        votes = ", ".join(f"{a}: {c}" for a, c in result.votes.items()) or "no thread answered"
+        print(f"answer: {result.answer}\nvotes: {votes}\nthreads: {result.samples} at {result.cr:g}x  "
+              f"tokens: {result.tokens}  time: {report['time_s']}s")
     return 0
