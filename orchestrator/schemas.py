@@ -22,6 +22,9 @@ class SolveRequest(BaseModel):
     max_tokens: int | None = Field(None, ge=1, le=8192, description="token limit per thread")
     temperature: float | None = Field(None, ge=0, le=5)
     seed: int = Field(0, ge=0, lt=2**62)
+    mode: Literal["controller", "fixed"] | None = Field(
+        None, description="controller: it picks ratio and threads; fixed: exactly `samples` threads (default: "
+                          "controller when samples is 'auto')")
     run_async: bool = Field(False, alias="async", description="answer 202 with a job id at once")
 
     @field_validator("samples")

@@ -45,6 +45,8 @@ class SolveService:
 
     def check(self, request: SolveRequest) -> None:
         """Raise ``ValueError`` naming the field for a request this deployment cannot run (before any work)."""
+        if request.mode == "controller" and self.controller is None:
+            raise ValueError("mode: the controller needs a calibration profile (thinkpool calibrate) on this deployment")
         if request.cr is not None and request.cr not in self.ratios:
             raise ValueError(f"cr: no DMS adapter for {request.cr:g}x; this worker serves {', '.join(f'{r:g}' for r in self.ratios)}")
         budget = request.kv_budget or self.info["kv_budget_bytes"]
@@ -61,7 +63,10 @@ class SolveService:
         self.check(request)
         job_id = job_id or uuid.uuid4().hex[:12]
         started = time.perf_counter()
-        if request.samples == "auto" and self.controller is not None:
+        # "auto" without a calibration profile falls back to one greedy thread.
+        use_controller = self.controller is not None and (
+            request.mode == "controller" or (request.mode is None and request.samples == "auto"))
+        if use_controller:
             budget = Budget(request.kv_budget or self.info["kv_budget_bytes"], max_threads=32)
             if on_event is not None:
                 self._listeners[job_id] = on_event

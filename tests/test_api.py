@@ -159,3 +159,11 @@ def test_bench_load_against_the_server(server):
     assert report["ok"] == 24 and report["lost"] == 0 and report["server_errors"] == 0
     assert 0 < report["pool_peak_bytes"] <= report["pool_bytes"]
     assert report["latency_s"]["p50"] <= report["latency_s"]["p99"]
+
+
+def test_the_controller_mode_uses_the_shipped_calibration_profile(server):
+    response = httpx.post(f"{server}/v1/solve", json={"prompt": "a=12;b=5;c=a-b;?c", "mode": "controller"},
+                          headers=AUTH, timeout=300)
+    assert response.status_code == 200, response.text
+    result = response.json()
+    assert result["answer"] == "7" and result["stop_reason"] in ("settled", "planned") and result["samples"] >= 1
