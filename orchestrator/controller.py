@@ -35,7 +35,7 @@ from policies.stopping import settled
 from policies.voting import confidence_vote, majority_vote
 from tasks.chain import ProblemError, parse_problem
 from tasks.prompt import format_prompt
-from workers.thread import SamplingParams, tokens_per_head
+from workers.thread import SamplingParams, thread_kv_bytes
 from workers.worker import ProblemRequest
 
 CHUNK = 4  # threads per run_chunk task: the unit of work that survives a controller crash
@@ -93,7 +93,7 @@ class Controller:
     # -- the budget model ----------------------------------------------------------------------------
     def thread_bytes(self, cr: float, prompt_tokens: int, max_new_tokens: int) -> int:
         """KV bytes one thread may grow to at ``cr`` (the engine's admission estimate)."""
-        return self.kv_bytes_per_token * tokens_per_head(prompt_tokens + max_new_tokens, cr, self.profile.window)
+        return thread_kv_bytes(self.kv_bytes_per_token, prompt_tokens + max_new_tokens, cr, self.profile.window)
 
     def fits(self, state: SolveState, cr: float) -> int:
         """Threads of this task that fit in its KV budget at once at ratio ``cr``."""
@@ -222,7 +222,7 @@ def make_checkpointer():
 def check_budget(profile: CalibrationProfile, kv_bytes_per_token: int, ratios: list[float], prompt_tokens: int,
                  budget: Budget) -> None:
     """Raise ``ValueError`` (naming ``kv_budget``) before any work if the budget holds no thread at any ratio."""
-    needed = min(kv_bytes_per_token * tokens_per_head(prompt_tokens + profile.max_new_tokens, cr, profile.window) for cr in ratios)
+    needed = min(thread_kv_bytes(kv_bytes_per_token, prompt_tokens + profile.max_new_tokens, cr, profile.window) for cr in ratios)
     if budget.kv_budget_bytes < needed:
         raise ValueError(f"kv_budget: {budget.kv_budget_bytes} bytes cannot hold one thread "
                          f"(the smallest, at {max(ratios):g}x, needs {needed} bytes)")

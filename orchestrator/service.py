@@ -17,7 +17,7 @@ from orchestrator.settings import get_settings
 from policies.planner import CalibrationProfile
 from policies.voting import majority_vote
 from tasks.prompt import format_prompt
-from workers.thread import SamplingParams
+from workers.thread import SamplingParams, thread_kv_bytes
 from workers.worker import ProblemRequest
 
 DEFAULT_PROFILE = Path(__file__).resolve().parent.parent / "configs" / "calibration_chain.json"
@@ -54,9 +54,13 @@ class SolveService:
             raise ValueError(f"kv_budget: at most {self.info['kv_budget_bytes']} bytes (the worker's pool)")
         tokens = len(self.tokenizer(format_prompt(request.prompt))["input_ids"])
         limit = request.max_tokens or self.settings.sampling.max_new_tokens
-        per_token = self.info["geometry"]["kv_bytes_per_token"]
-        if budget < per_token * (tokens + limit) / max(self.ratios):
-            raise ValueError(f"kv_budget: {budget} bytes cannot hold one thread of {tokens + limit} tokens")
+        fixed = request.mode == "fixed" or request.samples != "auto" or self.controller is None
+        ratios = [request.cr or 1.0] if fixed else self.ratios  # the controller may pick any ratio
+        needed = min(thread_kv_bytes(self.info["geometry"]["kv_bytes_per_token"], tokens + limit, cr,
+                                     self.info["windows"][cr]) for cr in ratios)
+        if budget < needed:
+            raise ValueError(f"kv_budget: {budget} bytes cannot hold one thread of {tokens + limit} tokens "
+                             f"(it needs {needed} bytes)")
 
     async def solve(self, request: SolveRequest, job_id: str | None = None, on_event=None) -> SolveResult:
         """Run one request; ``on_event(name, data)`` hears each finished thread (or chunk) and the plan's rounds."""

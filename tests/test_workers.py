@@ -28,6 +28,17 @@ def request(name: str, prompt: str, samples: int, params: SamplingParams = SAMPL
     return ProblemRequest(name, prompt, tuple(range(samples)), params)
 
 
+def consume_in_background(pool, req: ProblemRequest, worker) -> tuple[asyncio.Task, list]:
+    """Stream ``req``'s results from ``worker`` into a list, in a task (so the test can act meanwhile)."""
+    got: list = []
+
+    async def consume():
+        async for result in pool.run(req, worker=worker):
+            got.append(result)
+
+    return asyncio.create_task(consume()), got
+
+
 def test_a_burst_of_problems_runs_concurrently_within_the_pool(pool):
     async def burst():
         requests = [request(f"burst-{i}", EASY[i % 4], 4) for i in range(8)]
@@ -48,13 +59,7 @@ def test_cancel_stops_threads_and_frees_their_memory(pool):
     async def cancel_midway():
         req = request("to-cancel", HARD, 6, SamplingParams(temperature=0.8, max_new_tokens=1000))
         worker = pool.workers[0]
-        got = []
-
-        async def consume():
-            async for result in pool.run(req, worker=worker):
-                got.append(result)
-
-        task = asyncio.create_task(consume())
+        task, got = consume_in_background(pool, req, worker)
         for _ in range(300):
             await asyncio.sleep(0.2)
             stats = await worker.stats.remote()
@@ -74,13 +79,7 @@ def test_an_actor_killed_mid_run_loses_and_duplicates_nothing(pool):
     async def kill_midway():
         req = request("survivor", EASY[3], 8)
         worker = pool.workers[1]
-        got = []
-
-        async def consume():
-            async for result in pool.run(req, worker=worker):
-                got.append(result)
-
-        task = asyncio.create_task(consume())
+        task, got = consume_in_background(pool, req, worker)
         for _ in range(600):
             if "survivor" in pool._running or task.done():
                 break

@@ -23,7 +23,7 @@ class Scheduler:
         self.window_of = window_of
         self.max_running = max_running
         self.waiting: deque[Thread] = deque()
-        self.running: list[Thread] = []  # in batch-row order
+        self.running: list[Thread] = []  # admitted threads (the engine keeps their batch-row order)
 
     def reservation(self, thread: Thread) -> int:
         """Slots ``thread`` may grow to."""

@@ -117,6 +117,11 @@ class Thread:
         )
 
 
+def thread_kv_bytes(kv_bytes_per_token: int, length: int, cr: float, window: int) -> int:
+    """KV bytes a thread of ``length`` tokens may grow to at ratio ``cr`` (all layers and KV heads)."""
+    return kv_bytes_per_token * tokens_per_head(length, cr, window)
+
+
 def tokens_per_head(length: int, cr: float, window: int) -> int:
     """Tokens a head holds at the end of a ``length``-token sequence at ratio ``cr`` (DESIGN's budget model)."""
     if cr <= 1:

@@ -169,6 +169,7 @@ class ModelWorker:
         return {
             "model": self.config.model,
             "ratios": [1.0] + list(self.engine.adapters.ratios),
+            "windows": {cr: self.engine.adapters.window(cr) for cr in [1.0] + list(self.engine.adapters.ratios)},
             "kv_budget_bytes": self.engine.pool.budget_bytes,
             "geometry": kv_geometry(self.engine.model).as_dict(),
             "device": str(self.engine.pool.keys.device),

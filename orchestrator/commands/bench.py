@@ -50,16 +50,15 @@ def cmd_bench_overhead(args, parser) -> int:
     from dms_runtime.loading import default_model_path
     from orchestrator.bench import bench_overhead, bench_rest_overhead, hard_prompts
 
+    prompt = hard_prompts(1)[0]
     if args.url:
-        report = bench_rest_overhead(args.url, hard_prompts(1)[0], args.samples, args.max_new_tokens, args.repeats,
+        report = bench_rest_overhead(args.url, prompt, args.samples, args.max_new_tokens, args.repeats,
                                      os.environ.get("THINKPOOL_API_KEY"))
-        print(json.dumps(report) if args.json else f"rest: wall {report['wall_s']}s, engine busy {report['engine_busy_s']}s, "
-              f"overhead {100 * report['overhead_fraction']:.1f}%")
-        return 0
-    pool = make_pool(args.model or default_model_path(), None, args.workers)
-    report = bench_overhead(pool, hard_prompts(1)[0], args.samples, args.max_new_tokens, args.repeats)
-    pool.shutdown()
-    report["path"] = "ray" if args.workers else "in-process"
+    else:
+        pool = make_pool(args.model or default_model_path(), None, args.workers)
+        report = bench_overhead(pool, prompt, args.samples, args.max_new_tokens, args.repeats)
+        pool.shutdown()
+        report["path"] = "ray" if args.workers else "in-process"
     if args.json:
         print(json.dumps(report))
     else:
