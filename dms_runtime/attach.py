@@ -60,7 +60,11 @@ class DMSHandle:
             if state.mode == "off":
                 return None
             hidden = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
-            state.logits = gate(hidden)
+            if state.mode == "probe":  # the model runs without gradients; its gates learn on the side
+                with torch.enable_grad():
+                    state.logits = gate(hidden.detach())
+            else:
+                state.logits = gate(hidden)
             if state.mode == "infer":
                 cache = kwargs.get("past_key_values")
                 if not hasattr(cache, "set_gate_logits"):  # DMSCache, or the engine's PagedDMSCache
@@ -83,11 +87,11 @@ class DMSHandle:
         return zero_hook
 
     def set_mode(self, mode: str) -> None:
-        if mode not in ("train", "infer", "off"):
-            raise ValueError(f"mode must be train, infer or off, got {mode!r}")
+        if mode not in ("train", "infer", "probe", "off"):
+            raise ValueError(f"mode must be train, infer, probe or off, got {mode!r}")
         for module in self.modules:
             module.dms.mode = mode
-            module.dms.logits = module.dms.alpha = module.dms.cache = None
+            module.dms.logits = module.dms.alpha = module.dms.cache = module.dms.far_attention = None
 
     @contextmanager
     def mode(self, mode: str) -> Iterator["DMSHandle"]:
@@ -101,6 +105,10 @@ class DMSHandle:
     def alphas(self) -> list[torch.Tensor]:
         """Training: each layer's straight-through eviction decisions ``[B, decisions, T]`` of the last forward."""
         return [module.dms.alpha for module in self.modules]
+
+    def far_attentions(self) -> list[torch.Tensor]:
+        """Probe: each layer's ``[B, kv_heads, T]`` far attention (see :func:`~dms_runtime.attention.far_attention`)."""
+        return [module.dms.far_attention for module in self.modules]
 
     def new_cache(self, dense_prefill: bool = False) -> DMSCache:
         return DMSCache(len(self.modules), self.config.window, self.config.threshold, dense_prefill)

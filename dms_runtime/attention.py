@@ -8,6 +8,10 @@ and find their gate logits (set by a pre-hook, see :mod:`dms_runtime.attach`) on
   from the noisy, temperature-scaled gate in the forward pass with a straight-through gradient.
 * Inference (``"infer"``): attention over the slots of a :class:`~dms_runtime.cache.DMSCache`, with the
   visibility mask the cache computes (occupied, causal, padding, and delayed eviction).
+* Probe (``"probe"``): the vanilla model's attention, computed explicitly so that it can also report, per
+  KV head and key, the most attention the key receives from any query more than ``w`` positions later
+  (:func:`far_attention`): what a key is still needed for once it has left the window. Retrofit uses it
+  to warm-start the gates.
 """
 
 from __future__ import annotations
@@ -26,13 +30,14 @@ NEG = -1e9
 class LayerState:
     """What one attention module needs from DMS during a forward pass."""
 
-    mode: str = "off"  # "train" | "infer" | "off"
+    mode: str = "off"  # "train" | "infer" | "probe" | "off"
     window: int = 16
     temperature: float = 0.1
     noise: bool = True  # training: logistic noise on the gates; off gives deterministic decisions
     logits: torch.Tensor | None = None  # [B, T, decisions]: logit at t decides about token t-1
     alpha: torch.Tensor | None = None  # training: [B, decisions, T] straight-through eviction decisions
     cache: object | None = None
+    far_attention: torch.Tensor | None = None  # probe: [B, kv_heads, T], see far_attention()
     extras: dict = field(default_factory=dict)
 
 
@@ -88,6 +93,8 @@ def dms_attention(module, query, key, value, attention_mask, dropout=0.0, scalin
         return _sdpa(module, query, key, value, _base_mask(attention_mask, query.shape[2], key.shape[2], query.device), scaling)
     if state.mode == "train":
         return _train_attention(module, state, query, key, value, attention_mask, scaling)
+    if state.mode == "probe":
+        return _probe_attention(module, state, query, key, value, attention_mask, scaling)
     visible = state.cache.visibility(module.layer_idx, attention_mask)  # [B, kv_heads, q, slots]
     return _sdpa(module, query, key, value, visible, scaling)
 
@@ -122,6 +129,27 @@ def _train_attention(module, state: LayerState, query, key, value, attention_mas
     scores = scores + _expand_groups(bias, groups)
     scores = scores.masked_fill(~allowed, float("-inf"))
     probs = torch.softmax(scores, dim=-1)
+    out = torch.matmul(probs, _expand_groups(value, groups).float()).to(query.dtype)
+    return out.transpose(1, 2).contiguous(), None
+
+
+def far_attention(probs: torch.Tensor, kv_heads: int, window: int) -> torch.Tensor:
+    """``[B, kv_heads, k]``: per key, the largest weight any query head of its KV group gives it from a query
+    more than ``window`` positions later (0 for keys no such query exists for)."""
+    batch, heads, q_len, k_len = probs.shape
+    grouped = probs.reshape(batch, kv_heads, heads // kv_heads, q_len, k_len).amax(2)
+    query_pos = torch.arange(k_len - q_len, k_len, device=probs.device)[:, None]
+    beyond = (query_pos - torch.arange(k_len, device=probs.device)[None, :]) > window
+    return (grouped * beyond).amax(2)
+
+
+def _probe_attention(module, state: LayerState, query, key, value, attention_mask, scaling):
+    q_len, k_len = query.shape[2], key.shape[2]
+    groups = query.shape[1] // key.shape[1]
+    allowed = _base_mask(attention_mask, q_len, k_len, query.device)
+    scores = torch.matmul(query.float(), _expand_groups(key, groups).float().transpose(-1, -2)) * (scaling or query.shape[-1] ** -0.5)
+    probs = torch.softmax(scores.masked_fill(~allowed, float("-inf")), dim=-1)
+    state.far_attention = far_attention(probs, key.shape[1], state.window).detach()
     out = torch.matmul(probs, _expand_groups(value, groups).float()).to(query.dtype)
     return out.transpose(1, 2).contiguous(), None
 

@@ -13,6 +13,14 @@ eviction fraction at which the *realized* ratio (tokens processed / tokens held 
 eval metric, window included) averages the target over the training problems' lengths. Each target
 rises linearly from 1 over ``ramp_steps``, then holds for ``hold_steps``. Resumable from a state file.
 
+Before that, ``warmstart_steps`` steps teach each ratio's gates where to start: the frozen model runs in
+probe mode, which reports for every key how much attention it still gets from queries beyond the
+window; the keys getting the least (a quantile at the ratio's eviction target, pooled over layers and
+heads) are labelled "evict", and the gates learn those labels (binary cross-entropy). Measured on the
+shipped model, evicting by that rule alone keeps the KL near zero at 2x, whereas gates trained from KL
+alone through the straight-through estimator find it only slowly: its gradient reaches a gate only while
+its logit is near the threshold.
+
 Adapter-only output goes beside the base model; full fine-tuning writes a new model directory (its
 weights, tokenizer and adapters), since the adapters then belong to the fine-tuned weights.
 """
@@ -33,6 +41,7 @@ from tqdm import tqdm
 from dms_runtime.adapters import adapter_path, save_adapter
 from dms_runtime.base_train import export
 from dms_runtime.attach import attach_dms
+from dms_runtime.attention import shifted_decisions
 from dms_runtime.chain_data import difficulty_batch, sample_lengths
 from dms_runtime.config import DMSConfig
 from dms_runtime.gates import build_gates
@@ -60,6 +69,8 @@ class RetrofitConfig(BaseModel):
     compression_weight: float = Field(1.0, ge=0)
     full_finetune: bool = False
     anchor_rows: bool = True  # full fine-tuning: some rows run without gates, so CR 1 stays the teacher's model
+    warmstart_steps: int = Field(0, ge=0)  # gate warm start from far attention (see the module docstring)
+    warmstart_lr: float = Field(1e-3, gt=0)
     seed: int = 0
     device: str = "auto"  # auto = cuda when available (weights in bf16 there), else cpu
     checkpoint_every: int = Field(25, gt=0)
@@ -135,6 +146,57 @@ def evicted_fraction(alphas: list[torch.Tensor], lengths: torch.Tensor, window: 
     return fraction, ratio
 
 
+def far_attention_labels(far: list[torch.Tensor], lengths: torch.Tensor, window: int, fraction: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Eviction labels ``[layers, B, kv_heads, T]`` (1 = evict), their weights and the mask of keys that left
+    the window: the ``fraction`` of those keys that get the least far attention, over all layers and heads
+    together, are labelled "evict". A key labelled "keep" weighs its far attention over the threshold
+    (up to 100): losing a key the model reads heavily costs more than losing one near the line."""
+    stacked = torch.stack(far)  # [layers, B, kv, T]
+    positions = torch.arange(stacked.shape[-1], device=stacked.device)
+    eligible = (positions[None, :] < (lengths.to(stacked.device)[:, None] - 1 - window))[None, :, None, :].expand_as(stacked)
+    scores = stacked[eligible]
+    if not scores.numel():
+        return torch.zeros_like(stacked), torch.ones_like(stacked), eligible
+    threshold = torch.quantile(scores[torch.randperm(len(scores))[:1_000_000]].float(), fraction).clamp(min=1e-6)
+    weights = (stacked / threshold).clamp(1.0, 100.0)
+    return ((stacked < threshold) & eligible).float(), weights, eligible
+
+
+def warm_start(model, handle, row_gates: nn.ModuleList, config: RetrofitConfig, tokenizer, lengths: list[int], quiet: bool) -> None:
+    """Teach every ratio's gates to evict what the frozen model attends to least from beyond the window."""
+    ratios = len(config.ratios)
+    fractions = [eviction_target(ratio, config.window, lengths) for ratio in config.ratios]
+    optimizer = torch.optim.AdamW(row_gates.parameters(), lr=config.warmstart_lr, weight_decay=0.0)
+    device = next(model.parameters()).device
+    bar = tqdm(range(config.warmstart_steps), desc="gate warm start", disable=quiet)
+    for step in bar:
+        batch = difficulty_batch(tokenizer, random.Random(config.seed * 1_000_003 + 7_919 * (step + 1)), config.k_min,
+                                 config.k_max, config.tokens_per_batch)
+        row_ratio = torch.arange(len(batch.input_ids)) % ratios
+        for gates in row_gates:
+            gates.row_ratio = row_ratio
+        with handle.mode("probe"), torch.autocast(device.type, dtype=torch.bfloat16):
+            with torch.no_grad():
+                model(input_ids=batch.input_ids.to(device), use_cache=False)
+            far = handle.far_attentions()
+            decisions = [shifted_decisions(module.dms.logits.float()) for module in handle.modules]  # [B, kv, T] each
+        loss = torch.zeros((), device=device)
+        shown = {}
+        for index, (final, fraction) in enumerate(zip(config.ratios, fractions)):
+            rows = row_ratio == index
+            if not bool(rows.any()):
+                continue
+            labels, weights, eligible = far_attention_labels([f[rows] for f in far], batch.lengths[rows], config.window, fraction)
+            logits = torch.stack([d[rows] for d in decisions])
+            loss = loss + nn.functional.binary_cross_entropy_with_logits(logits[eligible], labels[eligible], weights[eligible])
+            agree = ((logits[eligible] > 0).float() == labels[eligible]).float().mean()
+            shown[f"{final:g}x"] = f"{agree.item():.2f}"
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+        bar.set_postfix(bce=f"{loss.item():.3f}", label_agreement=shown)
+
+
 class RowGates(nn.Module):
     """One layer's gates for every ratio; each batch row uses the gates of its ratio (``row_ratio``)."""
 
@@ -186,6 +248,8 @@ def retrofit(config: RetrofitConfig, steps: int | None = None, quiet: bool = Fal
         start = state["step"]
     end = min(config.total_steps, start + steps) if steps is not None else config.total_steps
     lengths = sample_lengths(tokenizer, config.k_min, config.k_max)
+    if start == 0 and config.warmstart_steps:
+        warm_start(model, handle, row_gates, config, tokenizer, lengths, quiet)
     ratios = len(config.ratios)
     anchors = config.full_finetune and config.anchor_rows
     bar = tqdm(range(start, end), initial=start, total=config.total_steps, desc="retrofit", disable=quiet)

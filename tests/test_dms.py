@@ -236,3 +236,63 @@ def test_retrofit_on_a_tiny_model_trains_every_ratio_and_resumes(tmp_path, full_
     lengths = [60, 200, 900]
     fraction = eviction_target(4.0, 16, lengths)
     assert sum(n / held_tokens(n, 16, fraction) for n in lengths) / 3 == pytest.approx(4.0, rel=1e-3)
+
+
+@pytest.mark.parametrize("kind", MODELS)
+def test_probe_mode_is_the_vanilla_model_and_reports_far_attention(kind):
+    from dms_runtime.attention import far_attention
+
+    model = tiny(kind)
+    ids = torch.randint(1, VOCAB, (2, 12))
+    with torch.no_grad():
+        vanilla = model(input_ids=ids).logits
+    handle = attach_dms(model, build_gates(model, DMSConfig(window=3)), DMSConfig(window=3))
+    with torch.no_grad(), handle.mode("probe"):
+        probed = model(input_ids=ids).logits
+        far = handle.far_attentions()
+    torch.testing.assert_close(probed, vanilla, rtol=1e-4, atol=1e-4)
+    assert len(far) == 2 and far[0].shape == (2, 2, 12)  # layers x [B, kv_heads, T]
+    assert (far[0][..., -4:] == 0).all() and (far[0][..., :8] > 0).all()  # the last w+1 keys have no far query
+    # far_attention on a hand-made pattern: key 0 gets 0.9 from query 5 (far), key 4 only near queries.
+    probs = torch.zeros(1, 2, 6, 6)
+    probs[0, 1, 5, 0] = 0.9
+    probs[0, 0, 5, 4] = 0.8
+    assert far_attention(probs, kv_heads=1, window=2)[0, 0].tolist() == pytest.approx([0.9, 0, 0, 0, 0, 0])
+
+
+def test_far_attention_labels_evict_the_least_read_keys_at_the_fraction():
+    from dms_runtime.retrofit import far_attention_labels
+
+    far = [torch.tensor([[[0.5, 0.01, 0.02, 0.9, 0.03, 0.2, 0.0, 0.0]]])]  # 1 layer, 1 row, 1 head, T = 8
+    labels, weights, eligible = far_attention_labels(far, torch.tensor([8]), window=1, fraction=0.5)
+    assert eligible[0, 0, 0].tolist() == [True] * 6 + [False] * 2
+    assert labels[0, 0, 0].tolist() == [0, 1, 1, 0, 1, 0, 0, 0]  # the three least-read of six are evicted
+    assert weights[0, 0, 0, 3] > weights[0, 0, 0, 0] > 1 and weights[0, 0, 0, 1] == 1
+
+
+def test_gate_warm_start_moves_the_gates_to_the_eviction_target(tmp_path):
+    import random
+
+    from dms_runtime.adapters import load_gates
+    from dms_runtime.chain_data import difficulty_batch
+    from dms_runtime.loading import load_model
+    from dms_runtime.retrofit import RetrofitConfig, eviction_target, evicted_fraction, retrofit, sample_lengths
+    from dms_runtime.tokenizer import build_tokenizer
+
+    tokenizer = build_tokenizer()
+    tiny("llama").save_pretrained(tmp_path / "base")
+    tokenizer.save_pretrained(tmp_path / "base")
+    config = RetrofitConfig(model=str(tmp_path / "base"), ratios=[4], ramp_steps=1, hold_steps=0, warmstart_steps=40,
+                            warmstart_lr=0.01, lr=1e-9, tokens_per_batch=300, k_max=4, window=4)
+    written = retrofit(config, quiet=True)
+    model, _ = load_model(tmp_path / "base")
+    gates, dms = load_gates(model, written[0])
+    handle = attach_dms(model, gates, dms)
+    batch = difficulty_batch(tokenizer, random.Random(1), 3, 3, 600)
+    with torch.no_grad(), handle.mode("train"):
+        for module in handle.modules:
+            module.dms.noise = False
+        model(input_ids=batch.input_ids)
+        fraction, _ = evicted_fraction(handle.alphas(), batch.lengths, dms.window)
+    target = eviction_target(4.0, 4, sample_lengths(tokenizer, 1, 4))
+    assert abs(fraction.item() - target) < 0.25  # zero-initialised gates evict nothing
