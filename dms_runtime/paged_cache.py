@@ -37,6 +37,7 @@ class PagedLayer(CacheLayerMixin):
         self.evict = torch.zeros((0, num_heads, 0), dtype=torch.bool, device=device)
         self.length = torch.zeros(0, dtype=torch.long, device=device)  # tokens processed per row
         self.window = torch.zeros(0, dtype=torch.long, device=device)
+        self.zero_windows = 0  # rows with window 0: a token can expire in the step that decides it
         self.pending_logits: torch.Tensor | None = None
         self.is_initialized = True
 
@@ -51,6 +52,7 @@ class PagedLayer(CacheLayerMixin):
         self.evict = torch.cat([self.evict, self.evict.new_zeros((count, heads, self.evict.shape[2]))])
         self.length = torch.cat([self.length, self.length.new_zeros(count)])
         self.window = torch.cat([self.window, windows.to(self.window)])
+        self.zero_windows = int((self.window == 0).sum())
 
     def extend(self, other: "PagedLayer", repeat: int) -> None:
         """Append ``other``'s rows ``repeat`` times each; the copies share (and reference) its slots."""
@@ -61,6 +63,7 @@ class PagedLayer(CacheLayerMixin):
             setattr(self, name, torch.cat([mine, theirs.repeat_interleave(repeat, dim=0)]))
         self.length = torch.cat([self.length, other.length.repeat_interleave(repeat)])
         self.window = torch.cat([self.window, other.window.repeat_interleave(repeat)])
+        self.zero_windows = int((self.window == 0).sum())
 
     def remove_rows(self, rows: list[int]) -> None:
         """Release the slots of ``rows`` and drop them; the other rows keep their order."""
@@ -72,12 +75,14 @@ class PagedLayer(CacheLayerMixin):
         self.pool.release(gone[gone >= 0])
         for name in ("table", "pos", "evict", "length", "window"):
             setattr(self, name, getattr(self, name)[~drop])
+        self.zero_windows = int((self.window == 0).sum())
 
     # -- the forward pass ----------------------------------------------------------------------------
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, cache_kwargs: dict[str, Any] | None = None):
         rows, heads, q_len, dim = key_states.shape
         start = self.length
-        self._apply_marks(start, q_len)  # decides token start-1, which may expire before the new tokens arrive
+        if self.zero_windows:  # token start-1, decided now, may expire before the new tokens arrive
+            self._apply_marks(start, q_len)
         self._release((self.table >= 0) & self.evict & (start[:, None, None] - self.pos > self.window[:, None, None]))
         free = self.table < 0
         shortfall = q_len - int(free.sum(-1).min()) if free.numel() else q_len
@@ -102,7 +107,8 @@ class PagedLayer(CacheLayerMixin):
         self.query_pos = new_pos[:, 0, :]
         self.length = start + q_len
         index = self.table.clamp(min=0)
-        return self.pool.keys[index], self.pool.values[index]
+        shape = (*index.shape, dim)
+        return self.pool.keys.index_select(0, index.flatten()).view(shape), self.pool.values.index_select(0, index.flatten()).view(shape)
 
     def _apply_marks(self, start: torch.Tensor, q_len: int) -> None:
         """The logit at position t marks token t-1: this pass's logits decide tokens start-1 .. start+q-2."""
@@ -111,6 +117,9 @@ class PagedLayer(CacheLayerMixin):
         if not bool((self.pending_logits > 0).any()):  # nothing marked (vanilla rows, or a quiet step)
             return
         marks = (self.pending_logits > 0).transpose(1, 2).expand(-1, self.table.shape[1], -1)  # [rows, heads, q]
+        if q_len == 1:  # decoding: only token start-1 is decided
+            self.evict |= (self.pos == (start - 1)[:, None, None]) & marks
+            return
         relative = self.pos - (start - 1)[:, None, None]
         in_range = (self.table >= 0) & (relative >= 0) & (relative < q_len)
         self.evict |= in_range & marks.gather(2, relative.clamp(0, q_len - 1))

@@ -7,7 +7,8 @@ shared weights keep serving CR 1 as the teacher does. So one set of base weights
 The student is the base model with gates attached in DMS training mode; the teacher is the frozen base
 model (adapter-only training, the default, shares its weights; full fine-tuning keeps a frozen copy).
 The loss is the forward KL from teacher to student on the chain-of-thought tokens plus, per ratio, the
-one-sided compression loss ``max(0, f_target - f)``, where ``f`` is the fraction of evicted tokens among
+one-sided compression loss ``max(0, f_target - f)`` (or, with ``compression_loss: two_sided``,
+``|f_target - f|``, which also stops a ratio from overshooting its target), where ``f`` is the fraction of evicted tokens among
 those that have left the window. ``f_target`` comes from the ratio the adapter is named after: the
 eviction fraction at which the *realized* ratio (tokens processed / tokens held at a thread's end, the
 eval metric, window included) averages the target over the training problems' lengths. Each target
@@ -31,6 +32,7 @@ import copy
 import random
 import time
 from pathlib import Path
+from typing import Literal
 
 import torch
 import yaml
@@ -67,6 +69,9 @@ class RetrofitConfig(BaseModel):
     finetune_lr: float = Field(1e-4, gt=0)  # base weights, with full_finetune
     temperature: float = Field(0.1, gt=0)
     compression_weight: float = Field(1.0, ge=0)
+    # one_sided: the paper's loss; KL alone must keep the gates from evicting beyond the target.
+    # two_sided: holds each ratio at its target (needed where the KL gradient through the gates is weak).
+    compression_loss: Literal["one_sided", "two_sided"] = "one_sided"
     full_finetune: bool = False
     anchor_rows: bool = True  # full fine-tuning: some rows run without gates, so CR 1 stays the teacher's model
     warmstart_steps: int = Field(0, ge=0)  # gate warm start from far attention (see the module docstring)
@@ -282,7 +287,8 @@ def retrofit(config: RetrofitConfig, steps: int | None = None, quiet: bool = Fal
             if not bool(rows.any()):
                 continue
             fraction, ratio = evicted_fraction([a[rows] for a in alphas], batch.lengths[rows], dms.window)
-            compression = compression + torch.relu(fraction_target - fraction)
+            shortfall = fraction_target - fraction
+            compression = compression + (shortfall.abs() if config.compression_loss == "two_sided" else torch.relu(shortfall))
             shown[f"{final:g}x"] = f"{fraction.item():.2f}/{fraction_target:.2f}"
         loss = kl + config.compression_weight * compression
         optimizer.zero_grad(set_to_none=True)
