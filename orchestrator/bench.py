@@ -199,3 +199,15 @@ def bench_rest_overhead(url: str, prompt: str, samples: int, max_new_tokens: int
     wall, engine = sum(w for w, _ in runs), sum(b for _, b in runs)
     return {"samples": samples, "repeats": repeats, "wall_s": round(wall, 3), "engine_busy_s": round(engine, 3),
             "overhead_fraction": (wall - engine) / engine if engine else None, "path": "rest"}
+
+
+def compare_to_fixed(fixed: list[dict], controller: dict) -> dict:
+    """The controller against the best fixed configuration (most accurate; the fewer tokens on a tie)."""
+    best = max(fixed, key=lambda run: (run["accuracy"], -run["tokens_generated"]))
+    return {
+        "best_fixed": best["method"],
+        "best_fixed_accuracy": best["accuracy"],
+        "controller_accuracy": controller["accuracy"],
+        "accuracy_gain": round(controller["accuracy"] - best["accuracy"], 4),
+        "token_fraction": round(controller["tokens_generated"] / max(1, best["tokens_generated"]), 4),
+    }

@@ -55,6 +55,18 @@ def byte_size(text: str) -> int:
     return value
 
 
+def fixed_config(text: str) -> tuple[float, int]:
+    """``CRxTHREADS``, e.g. ``8x16``: a fixed compression ratio and thread count."""
+    ratio, _, threads = text.lower().partition("x")
+    try:
+        cr, n = float(ratio), int(threads)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected CRxTHREADS such as 8x16, got {text!r}") from None
+    if not (1 <= cr <= 64 and 1 <= n <= 1024):
+        raise argparse.ArgumentTypeError(f"ratio must lie within 1-64 and threads within 1-1024, got {text!r}")
+    return cr, n
+
+
 def sample_count(maximum: int, word: str = "fit") -> Callable:
     """``word`` (``fit``: as many threads as the KV pool holds; ``auto``: the controller) or a count in 1..maximum."""
     count = bounded(int, 1, maximum)
@@ -142,6 +154,21 @@ def build_parser() -> argparse.ArgumentParser:
     overhead.add_argument("--url", default=None, help="measure through this running server (REST + its workers)")
     overhead.add_argument("--json", action="store_true")
     add_model(overhead)
+    versus = bench.add_parser("controller", help="the controller against fixed (ratio, threads) configurations, same problems and pool")
+    versus.add_argument("--problems", type=Path, required=True, help="JSONL file of {id, prompt, answer}")
+    versus.add_argument("--limit", type=bounded(int, 1), default=None)
+    versus.add_argument("--kv-budget", type=byte_size, required=True, help="the memory each problem's threads may hold")
+    versus.add_argument("--fixed", type=fixed_config, nargs="+", default=[(1.0, 4), (4.0, 8), (8.0, 16), (8.0, 32)],
+                        help="fixed configurations CRxTHREADS (default: 1x4 4x8 8x16 8x32)")
+    versus.add_argument("--profile", type=Path, default=Path("configs/calibration_chain.json"))
+    versus.add_argument("--max-threads", type=bounded(int, 1, max_samples), default=32, help="the controller's threads per problem")
+    versus.add_argument("--seed", type=int, default=0)
+    versus.add_argument("--temperature", type=bounded(float, 0.01, 5.0), default=settings.sampling.temperature)
+    versus.add_argument("--max-new-tokens", type=bounded(int, 16, 8192), default=settings.sampling.max_new_tokens)
+    versus.add_argument("--workers", type=bounded(int, 0, 64), default=0, help="Ray worker actors (0: in this process)")
+    versus.add_argument("--json", action="store_true")
+    versus.add_argument("--plot", type=Path, default=None, help="draw accuracy against generated tokens to this PNG")
+    add_model(versus)
     load = bench.add_parser("load", help="drive a running server: latency percentiles, errors, lost requests, pool peak")
     load.add_argument("--url", required=True)
     load.add_argument("--concurrency", type=bounded(int, 1, 4096), default=32)

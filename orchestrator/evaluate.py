@@ -178,3 +178,31 @@ async def evaluate_on_pool(
         },
         "problems": records,
     }
+
+
+async def evaluate_with_controller(problems: list[dict], controller, budget, seed: int = 0, progress=None) -> dict:
+    """Score ``problems`` through the controller, one at a time, each with the whole ``budget``.
+
+    Returns the summary with the ratios and thread counts it chose, and one record per problem."""
+    records, tokens = [], 0
+    started = time.perf_counter()
+    for index, problem in enumerate(problems):
+        state = await controller.solve(f"eval-{index}-{problem['id']}", problem["prompt"], budget, seed=seed * 1_000_003 + index)
+        threads = state["threads"]
+        tokens += sum(t["tokens"] for t in threads)
+        records.append({"id": problem["id"], "k": problem.get("k"), "expected": problem["answer"], "answer": state["answer"],
+                        "correct": answers_match(state["answer"], problem["answer"]), "votes": state["votes"],
+                        "thread_accuracy": sum(answers_match(t["answer"], problem["answer"]) for t in threads) / len(threads),
+                        "threads": len(threads), "cr": state["cr"], "stop_reason": state["stop_reason"],
+                        "tokens": sum(t["tokens"] for t in threads), "rounds": state["rounds"]})
+        if progress is not None:
+            progress(f"{problem['id']}: k={problem.get('k')} {state['cr']:g}x x{len(threads)} -> {state['answer']} "
+                     f"({'right' if records[-1]['correct'] else 'wrong'}, {state['stop_reason']})")
+    return {
+        "method": "controller",
+        **summarize(records, tokens, time.perf_counter() - started),
+        "samples_per_problem": sum(r["threads"] for r in records) / len(records),
+        "ratios_chosen": {f"{cr:g}": sum(r["cr"] == cr for r in records) for cr in sorted({r["cr"] for r in records})},
+        "threads_chosen": {str(n): sum(r["threads"] == n for r in records) for n in sorted({r["threads"] for r in records})},
+        "problems": records,
+    }

@@ -93,3 +93,25 @@ def test_bad_problem_files_are_rejected_naming_line_and_field(line, message, tmp
     done = thinkpool("eval", "--problems", str(path))
     assert done.returncode == 2
     assert f"{path}:2" in done.stderr and message in done.stderr
+
+
+def test_bench_controller_compares_against_fixed_configurations(easy_file, tmp_path):
+    plot = tmp_path / "versus.png"
+    done = thinkpool("bench", "controller", "--problems", str(easy_file), "--limit", "3", "--kv-budget", "8MB",
+                     "--fixed", "1x1", "1x2", "--max-threads", "4", "--max-new-tokens", "300", "--json", "--plot", str(plot))
+    assert done.returncode == 0, done.stderr
+    report = json.loads(done.stdout)
+    fixed_one, fixed_two, controller = report["runs"]
+    assert [fixed_one["method"], fixed_two["method"], controller["method"]] == ["1x1", "1x2", "controller"]
+    assert fixed_one["samples_per_problem"] == 1 and fixed_two["samples_per_problem"] == 2
+    assert fixed_two["tokens_generated"] > fixed_one["tokens_generated"]
+    assert controller["n"] == 3 and sum(controller["threads_chosen"].values()) == 3
+    comparison = report["comparison"]
+    best = next(r for r in report["runs"] if r["method"] == comparison["best_fixed"])
+    assert comparison["token_fraction"] == round(controller["tokens_generated"] / best["tokens_generated"], 4)
+    assert plot.stat().st_size > 0
+
+
+def test_bench_controller_rejects_a_ratio_without_an_adapter(easy_file):
+    done = thinkpool("bench", "controller", "--problems", str(easy_file), "--kv-budget", "8MB", "--fixed", "16x4")
+    assert done.returncode == 2 and "--fixed" in done.stderr and "16x" in done.stderr

@@ -1,4 +1,4 @@
-"""``thinkpool bench throughput | overhead | load``."""
+"""``thinkpool bench throughput | overhead | controller | load``."""
 
 from __future__ import annotations
 
@@ -13,6 +13,8 @@ from orchestrator.commands.common import make_pool
 def cmd_bench(args, parser) -> int:
     if args.bench == "overhead":
         return cmd_bench_overhead(args, parser)
+    if args.bench == "controller":
+        return cmd_bench_controller(args, parser)
     if args.bench == "load":
         from orchestrator.bench import bench_load
 
@@ -64,4 +66,47 @@ def cmd_bench_overhead(args, parser) -> int:
     else:
         print(f"{report['path']}: wall {report['wall_s']}s, engine busy {report['engine_busy_s']}s, "
               f"overhead {100 * report['overhead_fraction']:.1f}%")
+    return 0
+
+
+def cmd_bench_controller(args, parser) -> int:
+    """Every fixed configuration, then the controller, on the same problems, each problem with the whole pool."""
+    from dms_runtime.loading import default_model_path
+    from orchestrator.bench import compare_to_fixed
+    from orchestrator.commands.evaluate import make_controller, run_controller
+    from orchestrator.evaluate import EvalOptions, evaluate_on_pool
+    from orchestrator.plots import plot_accuracy_vs_tokens
+    from tasks.jsonl import ProblemFileError, read_problems
+    from workers.worker import available_ratios
+
+    try:
+        problems = read_problems(args.problems, args.limit)
+    except ProblemFileError as error:
+        parser.error(f"argument --problems: {error}")
+    model_dir = args.model or default_model_path()
+    missing = [cr for cr, _ in args.fixed if cr != 1 and cr not in available_ratios(model_dir)]
+    if missing:
+        parser.error(f"argument --fixed: no DMS adapter for {missing[0]:g}x beside {model_dir}")
+    pool = make_pool(model_dir, args.kv_budget, args.workers)
+    controller, budget = make_controller(args, parser, problems, model_dir, pool, args.temperature)
+    runs = []
+    for cr, threads in args.fixed:
+        options = EvalOptions(samples=threads, seed=args.seed, temperature=args.temperature, max_new_tokens=args.max_new_tokens)
+        report = asyncio.run(evaluate_on_pool(problems, pool, options, cr, f"{cr:g}x{threads}", sequential=True))
+        report.pop("problems")
+        runs.append({**report, "cr": cr, "threads": threads})
+    report = asyncio.run(run_controller(problems, pool, controller, budget, args.seed))
+    report.pop("problems")
+    runs.append(report)
+    pool.shutdown()
+    result = {"problems": str(args.problems), "n": len(problems), "kv_budget_bytes": args.kv_budget, "runs": runs,
+              "comparison": compare_to_fixed(runs[:-1], runs[-1])}
+    if args.plot:
+        plot_accuracy_vs_tokens(runs, args.plot, title=f"{args.problems.name}: accuracy against generated tokens")
+    if args.json:
+        print(json.dumps(result))
+    else:
+        for run in runs:
+            print(f"{run['method']:>10}  accuracy={run['accuracy']:.3f}  tokens={run['tokens_generated']}")
+        print(json.dumps(result["comparison"]))
     return 0

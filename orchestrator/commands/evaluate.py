@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import json
 import sys
-import time
 
 from orchestrator.commands.common import load_model_or_exit, make_pool
 
@@ -93,25 +92,24 @@ def cmd_eval(args, parser) -> int:
     return 0
 
 
-def eval_controller(args, parser, problems: list[dict], model_dir, options) -> int:
-    """``eval --controller auto``: every problem through the controller, one at a time, each with the whole pool."""
+def make_controller(args, parser, problems: list[dict], model_dir, pool, temperature: float):
+    """The controller and the per-problem budget of ``--kv-budget/--profile/--max-threads``, checked before any work."""
+    from transformers import AutoTokenizer
+
     from orchestrator.controller import Budget, Controller, check_budget as controller_budget
-    from orchestrator.evaluate import summarize
-    from policies.extraction import answers_match
     from policies.planner import CalibrationProfile
     from tasks.prompt import format_prompt
     from workers.worker import available_ratios
 
     if args.kv_budget is None:
-        parser.error("argument --controller: needs --kv-budget (the memory each problem's threads may hold)")
+        pool.shutdown()
+        parser.error("argument --kv-budget: the controller needs it (the memory each problem's threads may hold)")
     if not args.profile.is_file():
+        pool.shutdown()
         parser.error(f"argument --profile: no calibration profile at {args.profile} (run thinkpool calibrate)")
     profile = CalibrationProfile.load(args.profile)
     ratios = sorted({1.0, *available_ratios(model_dir)} & {e.cr for e in profile.entries})
-    pool = make_pool(model_dir, args.kv_budget, args.workers)
     info = pool.info()
-    from transformers import AutoTokenizer
-
     tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
     budget = Budget(kv_budget_bytes=args.kv_budget, max_threads=args.max_threads)
     longest = max((p["prompt"] for p in problems), key=len)
@@ -120,34 +118,31 @@ def eval_controller(args, parser, problems: list[dict], model_dir, options) -> i
     except ValueError as error:
         pool.shutdown()
         parser.error(f"argument --kv-budget: {error}")
-    controller = Controller(pool, profile, tokenizer, info["geometry"]["kv_bytes_per_token"], ratios,
-                            temperature=options.temperature)
-    records, tokens = [], 0
-    started = time.perf_counter()
-    for index, problem in enumerate(problems):
-        state = asyncio.run(controller.solve(f"eval-{index}-{problem['id']}", problem["prompt"], budget, seed=options.seed * 1_000_003 + index))
-        threads = state["threads"]
-        tokens += sum(t["tokens"] for t in threads)
-        records.append({"id": problem["id"], "k": problem.get("k"), "expected": problem["answer"], "answer": state["answer"],
-                        "correct": answers_match(state["answer"], problem["answer"]), "votes": state["votes"],
-                        "thread_accuracy": sum(answers_match(t["answer"], problem["answer"]) for t in threads) / len(threads),
-                        "threads": len(threads), "cr": state["cr"], "stop_reason": state["stop_reason"],
-                        "tokens": sum(t["tokens"] for t in threads), "rounds": state["rounds"]})
-        print(f"{problem['id']}: k={problem.get('k')} {state['cr']:g}x x{len(threads)} -> {state['answer']} "
-              f"({'right' if records[-1]['correct'] else 'wrong'}, {state['stop_reason']})", file=sys.stderr)
-    stats = [s for s in asyncio.run(pool.stats()) if s is not None]
+    controller = Controller(pool, profile, tokenizer, info["geometry"]["kv_bytes_per_token"], ratios, temperature=temperature)
+    return controller, budget
+
+
+async def run_controller(problems: list[dict], pool, controller, budget, seed: int) -> dict:
+    """The controller's report on ``problems``, with the pool's KV peak."""
+    from orchestrator.evaluate import evaluate_with_controller
+
+    await pool.reset_peaks()
+    report = await evaluate_with_controller(problems, controller, budget, seed, progress=lambda line: print(line, file=sys.stderr))
+    stats = [s for s in await pool.stats() if s is not None]
+    return {**report, "kv_peak_bytes": max(s.pool_peak_bytes for s in stats), "kv_budget_bytes": budget.kv_budget_bytes}
+
+
+def eval_controller(args, parser, problems: list[dict], model_dir, options) -> int:
+    """``eval --controller auto``: every problem through the controller, one at a time, each with the whole pool."""
+    if args.kv_budget is None:
+        parser.error("argument --controller: needs --kv-budget (the memory each problem's threads may hold)")
+    pool = make_pool(model_dir, args.kv_budget, args.workers)
+    controller, budget = make_controller(args, parser, problems, model_dir, pool, options.temperature)
+    report = asyncio.run(run_controller(problems, pool, controller, budget, options.seed))
     pool.shutdown()
-    report = {
-        "method": "controller",
-        **summarize(records, tokens, time.perf_counter() - started),
-        "kv_peak_bytes": max(s.pool_peak_bytes for s in stats),
-        "kv_budget_bytes": args.kv_budget,
-        "samples_per_problem": sum(r["threads"] for r in records) / len(records),
-        "ratios_chosen": {f"{cr:g}": sum(r["cr"] == cr for r in records) for cr in sorted({r["cr"] for r in records})},
-        "threads_chosen": {str(n): sum(r["threads"] == n for r in records) for n in sorted({r["threads"] for r in records})},
-        "config": {"model": str(model_dir), "profile": str(args.profile), "max_threads": args.max_threads,
-                   "temperature": options.temperature, "seed": options.seed},
-    }
+    records = report.pop("problems")
+    report["config"] = {"model": str(model_dir), "profile": str(args.profile), "max_threads": args.max_threads,
+                        "temperature": options.temperature, "seed": options.seed}
     if args.output:
         from tasks.jsonl import write_jsonl
 
