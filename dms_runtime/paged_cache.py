@@ -196,6 +196,11 @@ class PagedDMSCache(Cache):
         """Per row: table entries in use summed over layers and heads (shared prompt slots count per row)."""
         return sum((layer.table >= 0).sum(dim=(1, 2)) for layer in self.layers)
 
+    def memory_compression(self) -> torch.Tensor:
+        """Per row: tokens processed x layers x KV heads / table entries held (what the row's memory shrank by)."""
+        processed = self.layers[0].length.clamp(min=1).float() * len(self.layers) * self.layers[0].table.shape[1]
+        return processed / self.held_slots().clamp(min=1).float()
+
     def realized_compression(self) -> torch.Tensor:
         """Per row: tokens processed / tokens held, averaged over every layer's KV heads."""
         ratios = [layer.length[:, None].clamp(min=1).float() / (layer.table >= 0).sum(-1).clamp(min=1).float() for layer in self.layers]

@@ -158,6 +158,7 @@ async def evaluate_on_pool(
         "method": method,
         **summarize(records, sum(t.tokens for t in threads), elapsed),
         "realized_cr": sum(t.realized_cr for t in threads) / max(1, len(threads)),
+        "kv_cr": sum(t.kv_cr for t in threads) / max(1, len(threads)),
         "kv_peak_bytes": max(s.pool_peak_bytes for s in stats),
         "kv_budget_bytes": info["kv_budget_bytes"],
         "samples_per_problem": sum(counts) / len(counts),

@@ -83,6 +83,7 @@ def test_dms_rows_match_the_dms_cache_and_ratios_mix_in_one_batch(kind, per_head
     results = engine.run()
     assert texts(results) == expected
     assert all(r.realized_cr > 1.2 for r in results)  # the gates really evicted
+    assert all(1.0 < r.kv_cr <= r.realized_cr + 1e-6 for r in results)  # a ratio of sums never exceeds the mean of ratios
     assert engine.pool.used == 0  # every slot came back
 
 

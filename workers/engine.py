@@ -203,8 +203,10 @@ class Engine:
     def _retire(self, threads: list[Thread]) -> list[ThreadResult]:
         if not threads:
             return []
-        ratios = self.cache.realized_compression()[self._row_indices(threads)].tolist()
-        results = [t.result(self.tokenizer, r) for t, r in zip(threads, ratios)]
+        rows = self._row_indices(threads)
+        ratios = self.cache.realized_compression()[rows].tolist()
+        memory = self.cache.memory_compression()[rows].tolist()
+        results = [t.result(self.tokenizer, r, m) for t, r, m in zip(threads, ratios, memory)]
         self.scheduler.finish(threads)
         self._drop(threads)
         return results

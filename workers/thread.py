@@ -62,6 +62,9 @@ class ThreadResult:
     cr: float
     finish_reason: str  # "answer" | "eos" | "length" | "cancelled"
     preemptions: int = 0
+    # Tokens processed x KV heads / KV entries held: the memory saving. realized_cr averages per-head
+    # ratios instead, so heads that evict almost everything raise it more than they save memory.
+    kv_cr: float = 1.0
 
 
 @dataclass(eq=False)
@@ -107,13 +110,13 @@ class Thread:
             return True
         return False
 
-    def result(self, tokenizer, realized_cr: float) -> ThreadResult:
+    def result(self, tokenizer, realized_cr: float, kv_cr: float = 1.0) -> ThreadResult:
         text = tokenizer.decode(self.tokens, skip_special_tokens=True)
         count = len(self.tokens) + (self.finish_reason == "eos")
         mean = self.logprob_sum / count if count else -math.inf
         return ThreadResult(
             self.problem_id, self.sample_index, text, count, extract_chain_answer(text), mean, realized_cr,
-            self.cr, self.finish_reason or "cancelled", self.preemptions,
+            self.cr, self.finish_reason or "cancelled", self.preemptions, kv_cr,
         )
 
 
