@@ -115,3 +115,13 @@ def test_bench_controller_compares_against_fixed_configurations(easy_file, tmp_p
 def test_bench_controller_rejects_a_ratio_without_an_adapter(easy_file):
     done = thinkpool("bench", "controller", "--problems", str(easy_file), "--kv-budget", "8MB", "--fixed", "16x4")
     assert done.returncode == 2 and "--fixed" in done.stderr and "16x" in done.stderr
+
+
+def test_compare_to_fixed_picks_the_most_accurate_then_the_cheapest():
+    from orchestrator.bench import compare_to_fixed
+
+    fixed = [{"method": "1x4", "accuracy": 0.7, "tokens_generated": 1000},
+             {"method": "8x16", "accuracy": 0.8, "tokens_generated": 4000},
+             {"method": "8x32", "accuracy": 0.8, "tokens_generated": 8000}]
+    result = compare_to_fixed(fixed, {"method": "controller", "accuracy": 0.85, "tokens_generated": 2000})
+    assert result["best_fixed"] == "8x16" and result["accuracy_gain"] == 0.05 and result["token_fraction"] == 0.5
