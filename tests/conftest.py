@@ -29,7 +29,6 @@ def easy_file(tmp_path_factory):
 def redis_url(tmp_path_factory):
     """A real redis-server (Debian's package, installed by scripts/test.sh) on a free loopback port."""
     import shutil
-    import socket
     import subprocess
     import time
 
@@ -37,9 +36,9 @@ def redis_url(tmp_path_factory):
 
     binary = shutil.which("redis-server")
     assert binary, "redis-server is not installed: run scripts/test.sh (it installs Debian's redis-server)"
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
+    from ports import free_port
+
+    port = free_port()
     workdir = tmp_path_factory.mktemp("redis")
     server = subprocess.Popen([binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
                                "--dir", str(workdir)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)

@@ -2,7 +2,6 @@
 
 import asyncio
 
-import socket
 import threading
 import time
 
@@ -14,12 +13,7 @@ from orchestrator.api import create_app
 from orchestrator.service import service_factory
 from orchestrator.jobs import MemoryJobStore
 from dms_runtime.loading import SHIPPED_MODEL
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
+from ports import free_port
 
 
 @pytest.fixture(scope="module")

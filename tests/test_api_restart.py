@@ -3,18 +3,12 @@ accepted job reaches a final state."""
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
 
 import httpx
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
+from ports import free_port
 
 
 def start(port: int, env: dict) -> subprocess.Popen:

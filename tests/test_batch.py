@@ -3,24 +3,18 @@
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from ports import free_port
 
 REPO = Path(__file__).resolve().parent.parent
 RAY = str(Path(sys.executable).with_name("ray"))
 # A throwaway local cluster: no token authentication (its token would have to reach every client), workers
 # at normal priority.
 ENV = {**os.environ, "RAY_AUTH_MODE": "disabled", "RAY_worker_niceness": "0"}
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,9 @@
+"""A free loopback port for the servers the tests start (Redis, the API, a Ray head)."""
+
+import socket
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
