@@ -150,11 +150,15 @@ def eviction_target(ratio: float, window: int, lengths: list[int]) -> float:
     return high
 
 
+def left_window_mask(lengths: torch.Tensor, width: int, window: int) -> torch.Tensor:
+    """``[n, width]``: the tokens of each row that have left the window by the row's end (eviction can free them)."""
+    return torch.arange(width, device=lengths.device)[None, :] < (lengths[:, None] - 1 - window)
+
+
 def evicted_fraction(alphas: list[torch.Tensor], lengths: torch.Tensor, window: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Fraction of evicted tokens among those that left the window, and the rows' mean realized ratio."""
     stacked = torch.stack([a.float() for a in alphas])  # [layers, n, decisions, L]
-    positions = torch.arange(stacked.shape[-1])
-    left_window = positions[None, :] < (lengths[:, None] - 1 - window)  # [n, L]
+    left_window = left_window_mask(lengths, stacked.shape[-1], window)  # [n, L]
     evicted = (stacked * left_window[None, :, None, :]).sum(-1)  # [layers, n, decisions]
     eligible = left_window.sum(-1).clamp(min=1)  # [n]
     fraction = evicted.sum() / (eligible.sum() * stacked.shape[0] * stacked.shape[2])
@@ -168,8 +172,7 @@ def far_attention_labels(far: list[torch.Tensor], lengths: torch.Tensor, window:
     together, are labelled "evict". A key labelled "keep" weighs its far attention over the threshold
     (up to 100): losing a key the model reads heavily costs more than losing one near the line."""
     stacked = torch.stack(far)  # [layers, B, kv, T]
-    positions = torch.arange(stacked.shape[-1], device=stacked.device)
-    eligible = (positions[None, :] < (lengths.to(stacked.device)[:, None] - 1 - window))[None, :, None, :].expand_as(stacked)
+    eligible = left_window_mask(lengths.to(stacked.device), stacked.shape[-1], window)[None, :, None, :].expand_as(stacked)
     scores = stacked[eligible]
     if not scores.numel():
         return torch.zeros_like(stacked), torch.ones_like(stacked), eligible
@@ -248,6 +251,21 @@ def calibrate_offsets(model, handle, row_gates: nn.ModuleList, config: RetrofitC
             gate.config = dataclasses.replace(gate.config, init_offset=gate.config.init_offset - shift)
 
 
+def track_offsets(per_ratio: list[nn.ModuleList], decisions: list[torch.Tensor], row_ratio: torch.Tensor,
+                  lengths: torch.Tensor, window: int, fractions: list[float], damping: float = 0.5) -> None:
+    """Frozen gates: move each ratio's logit offset towards the one that would have evicted exactly its target
+    fraction of this batch (its rows, under the current weights), so ratios stay on target as weights change."""
+    eligible = left_window_mask(lengths, decisions[0].shape[-1], window)  # [B, T]
+    stacked = torch.stack(decisions)  # [layers, B, kv, T]
+    for r, (gates, fraction) in enumerate(zip(per_ratio, fractions)):
+        mask = (eligible & (row_ratio == r)[:, None])[None, :, None, :].expand_as(stacked)
+        if not bool(mask.any()):
+            continue
+        values = stacked[mask]
+        shift = torch.quantile(values[torch.randperm(len(values))[:1_000_000]], 1.0 - fraction).item()
+        set_offsets([gates], [gates[0].config.init_offset - damping * shift])
+
+
 def set_offsets(per_ratio: list[nn.ModuleList], offsets: list[float]) -> None:
     """Give every gate of ratio r the logit offset ``offsets[r]`` (the warm start's calibration, on resume)."""
     for gates, offset in zip(per_ratio, offsets):
@@ -288,6 +306,7 @@ def retrofit(config: RetrofitConfig, steps: int | None = None, quiet: bool = Fal
     handle = attach_dms(model, row_gates, dms)
     for module in handle.modules:
         module.dms.temperature = config.temperature
+        module.dms.noise = not config.freeze_gates  # frozen gates: train under the decisions inference will make
     groups = [] if config.freeze_gates else [{"params": list(row_gates.parameters()), "lr": config.lr}]
     if config.full_finetune:
         for parameter in model.parameters():
@@ -310,6 +329,8 @@ def retrofit(config: RetrofitConfig, steps: int | None = None, quiet: bool = Fal
     lengths = sample_lengths(tokenizer, config.k_min, config.k_max)
     if start == 0 and config.warmstart_steps:
         warm_start(model, handle, row_gates, config, tokenizer, lengths, quiet)
+    if config.freeze_gates:
+        row_gates.requires_grad_(False)
     ratios = len(config.ratios)
     anchors = config.full_finetune and config.anchor_rows
     bar = tqdm(range(start, end), initial=start, total=config.total_steps, desc="retrofit", disable=quiet)
@@ -335,6 +356,9 @@ def retrofit(config: RetrofitConfig, steps: int | None = None, quiet: bool = Fal
         student_logp = torch.log_softmax(student_logits[mask].float(), dim=-1)
         kl = (teacher_logp.exp() * (teacher_logp - student_logp)).sum(-1).mean()
         alphas = [a.cpu() for a in handle.alphas()]
+        if config.freeze_gates:
+            decisions = [shifted_decisions(module.dms.logits.detach().float()).cpu() for module in handle.modules]
+            track_offsets(per_ratio, decisions, row_ratio, batch.lengths, dms.window, fraction_targets)
         compression = torch.zeros(())
         shown = {}
         for index, (final, fraction_target) in enumerate(zip(config.ratios, fraction_targets)):

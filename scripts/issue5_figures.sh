@@ -1,0 +1,16 @@
+#!/usr/bin/env bash
+# The controller against fixed (ratio, threads) configurations: same fresh mixed problems, same KV budget.
+# 1. the calibration profile of the DMS model at every ratio; 2. the comparison (JSON + PNG).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+OUT=docs/results
+DMS=${DMS:-checkpoints/chain-qwen3-dms}
+BUDGET=${BUDGET:-13.5MB}
+N=${N:-40}
+mkdir -p "$OUT" runs
+.venv/bin/thinkpool calibrate --model "$DMS" --cr 1 2 4 8 --problems "${CAL_PROBLEMS:-6}" --threads 16 \
+  --max-new-tokens 1200 --workers 0 --output configs/calibration_chain_dms.json
+.venv/bin/thinkpool generate --n "$N" --k 1-20 --seed 5001 --output runs/controller_k1-20.jsonl
+.venv/bin/thinkpool bench controller --problems runs/controller_k1-20.jsonl --model "$DMS" --kv-budget "$BUDGET" \
+  --profile configs/calibration_chain_dms.json --max-new-tokens 1200 --json --plot "$OUT/controller_vs_fixed.png" \
+  > "$OUT/controller_vs_fixed.json"
