@@ -282,7 +282,7 @@ def test_gate_warm_start_moves_the_gates_to_the_eviction_target(tmp_path):
     tokenizer = build_tokenizer()
     tiny("llama").save_pretrained(tmp_path / "base")
     tokenizer.save_pretrained(tmp_path / "base")
-    config = RetrofitConfig(model=str(tmp_path / "base"), ratios=[4], ramp_steps=2, hold_steps=0, warmstart_steps=40,
+    config = RetrofitConfig(model=str(tmp_path / "base"), ratios=[4], ramp_steps=1, hold_steps=6, warmstart_steps=40,
                             warmstart_lr=0.01, tokens_per_batch=300, k_max=4, window=4, full_finetune=True,
                             freeze_gates=True, checkpoint_every=1)
     retrofit(config, steps=1, quiet=True)
@@ -297,7 +297,7 @@ def test_gate_warm_start_moves_the_gates_to_the_eviction_target(tmp_path):
         model(input_ids=batch.input_ids)
         fraction, _ = evicted_fraction(handle.alphas(), batch.lengths, dms.window)
     target = eviction_target(4.0, 4, sample_lengths(tokenizer, 1, 4))
-    assert abs(fraction.item() - target) < 0.1  # zero-initialised gates evict nothing
+    assert abs(fraction.item() - target) < 0.15  # zero-initialised gates evict nothing
     assert dms.init_offset != RetrofitConfig().init_offset  # the calibrated offset travels with the adapter
 
 
