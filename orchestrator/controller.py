@@ -17,6 +17,10 @@
 
 Thread seeds are (task seed, sample index), with sample indices running on across rounds, so a rerun
 chunk is the same threads.
+
+Many tasks at once: give every controller the same :class:`~orchestrator.allocator.ThreadAllocator` and
+each round's chunks wait for their KV bytes there, ranked by the accuracy the round is expected to add
+per byte it reserves, so the workers' memory goes to the tasks where threads buy the most.
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ from langgraph.checkpoint.memory import InMemorySaver
 from langgraph.graph import END, START, StateGraph
 from langgraph.types import Send
 
+from orchestrator.allocator import ThreadAllocator
 from policies.planner import CalibrationProfile, plan
 from policies.stopping import settled
 from policies.voting import confidence_vote, majority_vote
@@ -63,6 +68,7 @@ class SolveState(TypedDict, total=False):
     round_size: int
     next_sample: int
     round_samples: list[int]
+    round_priority: float
     threads: Annotated[list[dict], operator.add]
     rounds: Annotated[list[dict], operator.add]
     answer: str | None
@@ -77,17 +83,20 @@ class ChunkState(TypedDict):
     cr: float
     max_new_tokens: int
     samples: list[int]
+    kv_bytes: int  # what these threads may grow to (the allocator's unit)
+    priority: float  # expected accuracy gained per KV byte by the round this chunk belongs to
 
 
 class Controller:
     def __init__(self, pool, profile: CalibrationProfile, tokenizer, kv_bytes_per_token: int, ratios: list[float],
                  temperature: float = 0.8, first_round: int = 4, threshold: float = 0.95, weighting: str = "majority",
-                 checkpointer=None, on_chunk=None):
+                 checkpointer=None, on_chunk=None, allocator: ThreadAllocator | None = None):
         self.pool, self.profile, self.tokenizer = pool, profile, tokenizer
         self.kv_bytes_per_token = kv_bytes_per_token
         self.ratios = sorted(ratios)
         self.temperature, self.first_round, self.threshold, self.weighting = temperature, first_round, threshold, weighting
         self.on_chunk = on_chunk  # called with (task_id, samples) when a chunk finishes (progress, tests)
+        self.allocator = allocator  # shared by the controllers of tasks that run at once (None: no ranking)
         self.graph = self._build().compile(checkpointer=checkpointer if checkpointer is not None else make_checkpointer())
 
     # -- the budget model ----------------------------------------------------------------------------
@@ -119,14 +128,21 @@ class Controller:
     def dispatch(self, state: SolveState) -> dict:
         size = min(state["round_size"], self.fits(state, state["cr"]), state["max_threads"] - len(state.get("threads", [])))
         samples = list(range(state["next_sample"], state["next_sample"] + max(1, size)))
-        return {"round_samples": samples, "next_sample": samples[-1] + 1,
+        used = len(state.get("threads", []))
+        gain = (self.profile.accuracy(state["k"], state["cr"], used + len(samples))
+                - self.profile.accuracy(state["k"], state["cr"], used))
+        cost = len(samples) * self.thread_bytes(state["cr"], state["prompt_tokens"], state["max_new_tokens"])
+        return {"round_samples": samples, "next_sample": samples[-1] + 1, "round_priority": gain / cost,
                 "rounds": [{"event": "round", "cr": state["cr"], "threads": len(samples)}]}
 
     def fan_out(self, state: SolveState) -> list[Send]:
         samples = state["round_samples"]
+        per_thread = self.thread_bytes(state["cr"], state["prompt_tokens"], state["max_new_tokens"])
         return [
             Send("run_chunk", ChunkState(task_id=state["task_id"], prompt=state["prompt"], seed=state["seed"], cr=state["cr"],
-                                         max_new_tokens=state["max_new_tokens"], samples=samples[i : i + CHUNK]))
+                                         max_new_tokens=state["max_new_tokens"], samples=samples[i : i + CHUNK],
+                                         kv_bytes=len(samples[i : i + CHUNK]) * per_thread,
+                                         priority=state.get("round_priority", 0.0)))
             for i in range(0, len(samples), CHUNK)
         ]
 
@@ -135,7 +151,11 @@ class Controller:
             f"{chunk['task_id']}:{chunk['samples'][0]}", format_prompt(chunk["prompt"]), tuple(chunk["samples"]),
             SamplingParams(self.temperature, 1.0, chunk["max_new_tokens"], chunk["seed"]), chunk["cr"],
         )
-        results = await self.pool.collect(request)
+        if self.allocator is None:
+            results = await self.pool.collect(request)
+        else:
+            async with self.allocator.grant(chunk["task_id"], chunk.get("kv_bytes", 0), chunk.get("priority", 0.0)):
+                results = await self.pool.collect(request)
         if self.on_chunk is not None:
             self.on_chunk(chunk["task_id"], chunk["samples"])
         return {"threads": [

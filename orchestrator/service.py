@@ -12,6 +12,7 @@ import uuid
 from pathlib import Path
 
 from orchestrator.controller import Budget, Controller
+from orchestrator.allocator import ThreadAllocator
 from orchestrator.schemas import SolveRequest, SolveResult, ThreadSummary
 from orchestrator.settings import get_settings
 from policies.planner import CalibrationProfile
@@ -33,9 +34,11 @@ class SolveService:
         self.controller = None
         if self.profile is not None:
             ratios = sorted(set(self.ratios) & {e.cr for e in self.profile.entries})
+            # Concurrent solves share the workers' KV memory; rounds wait for it by expected gain per byte.
+            capacity = self.info["kv_budget_bytes"] * max(1, self.info["workers"])
             self.controller = Controller(pool, self.profile, tokenizer, self.info["geometry"]["kv_bytes_per_token"], ratios,
                                          temperature=self.settings.sampling.temperature, checkpointer=checkpointer,
-                                         on_chunk=self._chunk_done)
+                                         on_chunk=self._chunk_done, allocator=ThreadAllocator(capacity))
         self._listeners: dict[str, object] = {}  # job id -> on_event(name, data)
 
     def _chunk_done(self, task_id: str, samples: list[int]) -> None:

@@ -147,3 +147,72 @@ def test_a_killed_controller_resumes_from_redis_without_rerunning_finished_threa
     chunks = [tuple(json.loads(line)) for line in log.read_text().splitlines()]
     assert len(chunks) == len(set(chunks)) == 3  # 4 + 8 threads in chunks of 4, each run exactly once
     assert sorted(t["sample"] for t in state["threads"]) == list(range(12))
+
+
+def test_allocator_grants_waiting_rounds_by_priority_and_an_oversized_one_alone():
+    from orchestrator.allocator import ThreadAllocator
+
+    async def scenario():
+        allocator = ThreadAllocator(100)
+        await allocator.acquire("first", 100, priority=0.1)
+        low = asyncio.create_task(allocator.acquire("low", 60, priority=1.0))
+        await asyncio.sleep(0)
+        high = asyncio.create_task(allocator.acquire("high", 60, priority=5.0))
+        gone = asyncio.create_task(allocator.acquire("cancelled", 10, priority=9.0))
+        await asyncio.sleep(0)
+        assert allocator.waiting == 3 and not low.done()
+        gone.cancel()
+        await asyncio.sleep(0)
+        allocator.release(100)
+        await asyncio.sleep(0)
+        assert high.done() and not low.done()  # 60 + 60 > 100: the higher priority goes first, the other waits
+        allocator.release(60)
+        await asyncio.sleep(0)
+        assert low.done() and allocator.grants == ["first", "high", "low"] and allocator.in_use == 60
+        allocator.release(60)
+        await allocator.acquire("huge", 1000, priority=1.0)  # more than the capacity: granted once alone
+        assert allocator.in_use == 1000
+
+    asyncio.run(scenario())
+
+
+class SlowPool(ScriptedPool):
+    async def collect(self, request, on_result=None):
+        await asyncio.sleep(0.01)
+        return await super().collect(request, on_result)
+
+
+def test_a_new_tasks_first_round_goes_ahead_of_another_tasks_escalations():
+    from orchestrator.allocator import ThreadAllocator
+
+    class RecordingAllocator(ThreadAllocator):
+        def __init__(self, capacity_bytes):
+            super().__init__(capacity_bytes)
+            self.arrivals: list[str] = []
+
+        async def acquire(self, task_id, nbytes, priority):
+            self.arrivals.append(task_id)
+            await super().acquire(task_id, nbytes, priority)
+
+    pool = SlowPool(lambda i: str(i % 3))  # never settles: every task escalates to its thread budget
+    allocator = RecordingAllocator(1)  # every chunk is larger: one chunk at a time
+    # Two controllers share the allocator; the first opens with a 12-thread round (3 chunks).
+    big_first = Controller(pool, profile(), build_tokenizer(), KV_PER_TOKEN, [1, 4, 8], allocator=allocator, first_round=12)
+    controller = Controller(pool, profile(), build_tokenizer(), KV_PER_TOKEN, [1, 4, 8], allocator=allocator)
+    budget = Budget(kv_budget_bytes=10**9, max_threads=24)
+
+    async def both():
+        hard = asyncio.create_task(big_first.solve("hard", HARD, budget))
+        while allocator.arrivals.count("hard") < 3:  # its first round is queued: one chunk runs, two wait
+            await asyncio.sleep(0.001)
+        late = asyncio.create_task(controller.solve("late", HARD, budget))
+        return await hard, await late
+
+    hard, late = asyncio.run(both())
+    assert hard["stop_reason"] == late["stop_reason"] == "budget"
+    # Hard chunks that had arrived before the late task's first one, but were granted after it.
+    late_arrival = allocator.arrivals.index("late")
+    queued_before = allocator.arrivals[:late_arrival].count("hard")
+    granted_before = allocator.grants[: allocator.grants.index("late")].count("hard")
+    assert granted_before < queued_before  # FIFO would have granted every one of them first
+    assert allocator.in_use == 0 and allocator.waiting == 0
