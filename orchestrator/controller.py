@@ -12,8 +12,10 @@
   mid-round and restarted from its checkpoint reruns only the chunks that had not finished;
 * ``aggregate`` votes over every thread so far (majority, or confidence-weighted);
 * ``decide`` stops when the leading answer is settled (:mod:`policies.stopping`), when the planned threads
-  have run and agree, or when the thread budget is spent; otherwise it escalates: more threads at the planned ratio, then (if the threads still disagree)
-  the next higher ratio, which fits more threads in the same memory, then more threads at that ratio.
+  have run and agree, or when the thread budget is spent; otherwise it escalates: more threads at the
+  planned ratio, then (if the threads still disagree) the first higher ratio whose threads the profile
+  expects to vote better than more threads at the current one (it fits more threads in the same memory),
+  else more threads at the current ratio.
 
 Thread seeds are (task seed, sample index), with sample indices running on across rounds, so a rerun
 chunk is the same threads.
@@ -183,14 +185,18 @@ class Controller:
             return {"round_size": size, "rounds": [{"event": "escalate", "more_threads": size}]}
         if len(state["votes"]) == 1:  # the plan is done and its threads agree: what the profile expected
             return {"stop_reason": "planned"}
-        higher = [cr for cr in self.ratios if cr > state["cr"] and self.fits(state, cr) > self.fits(state, state["cr"])]
-        if higher:  # the threads disagree and the plan is spent: a higher ratio fits more threads in the same memory
-            cr = higher[0]
-            size = min(self.fits(state, cr), state["max_threads"] - used)
-            return {"cr": cr, "round_size": size, "target_threads": state["next_sample"] + size,
-                    "rounds": [{"event": "escalate", "cr": cr, "more_threads": size}]}
-        # No higher ratio helps: more threads at this one, up to the task's thread budget.
-        size = min(state["round_size"] * 2, state["max_threads"] - used)
+        # The threads disagree and the plan is spent. A higher ratio fits more threads in the same memory, but
+        # it is worth switching to only if the profile expects its threads to vote better than more threads here.
+        remaining = state["max_threads"] - used
+        size = min(state["round_size"] * 2, remaining)
+        staying = self.profile.accuracy(state["k"], state["cr"], used + size)
+        for cr in self.ratios:
+            if cr <= state["cr"] or self.fits(state, cr) <= self.fits(state, state["cr"]):
+                continue
+            switch = min(self.fits(state, cr), remaining)
+            if self.profile.accuracy(state["k"], cr, switch) > staying:
+                return {"cr": cr, "round_size": switch, "target_threads": state["next_sample"] + switch,
+                        "rounds": [{"event": "escalate", "cr": cr, "more_threads": switch}]}
         return {"round_size": size, "target_threads": state["next_sample"] + size,
                 "rounds": [{"event": "escalate", "more_threads": size}]}
 

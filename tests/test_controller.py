@@ -101,15 +101,29 @@ def test_disagreement_escalates_to_more_threads_then_stops_at_the_thread_budget(
     assert len(state["threads"]) == 24 and sorted(t["sample"] for t in state["threads"]) == list(range(24))
 
 
-def test_a_spent_plan_escalates_to_a_higher_ratio_that_fits_more_threads():
-    pool = ScriptedPool(lambda i: str(i % 2))
+def ratio_profile(accuracy_at_8x_16: float) -> CalibrationProfile:
+    """Hard problems: 4 vanilla threads vote 0.6 and 16 reach 0.65 (which does not fit the test budget);
+    8x threads are worse one by one, and 16 of them vote ``accuracy_at_8x_16``."""
+    table = {1: {1: 0.5, 4: 0.6, 16: 0.65}, 8: {1: 0.3, 4: 0.45, 16: accuracy_at_8x_16}}
+    entries = [ProfileEntry(k_min=1, k_max=20, cr=cr, threads=n, accuracy=a, tokens_per_thread=400)
+               for cr, row in table.items() for n, a in row.items()]
+    return CalibrationProfile(model="synthetic", max_new_tokens=300, temperature=0.8, window=16, entries=entries)
+
+
+def test_a_spent_plan_escalates_to_a_higher_ratio_only_when_the_profile_expects_it_to_vote_better():
     budget = Budget(kv_budget_bytes=4 * 420 * KV_PER_TOKEN, max_threads=40)  # 4 vanilla threads of ~400 tokens
-    controller = Controller(pool, profile().model_copy(update={"entries": [e for e in profile().entries if e.cr == 1]}),
-                            build_tokenizer(), KV_PER_TOKEN, [1, 8])
-    state = asyncio.run(controller.solve("task", HARD, budget))
+    # 8x x16 would be within a point of 1x x4, so the plan is the cheaper 1x x4; when its threads disagree,
+    # 16+ threads at 8x (which fit where 1x does not) are expected to vote better than more vanilla ones.
+    pool = ScriptedPool(lambda i: str(i % 2))
+    state = asyncio.run(Controller(pool, ratio_profile(0.605), build_tokenizer(), KV_PER_TOKEN, [1, 8]).solve("task", HARD, budget))
+    assert state["rounds"][0]["cr"] == 1
     escalations = [e for e in state["rounds"] if e.get("cr") == 8 and e["event"] == "escalate"]
     assert escalations and state["cr"] == 8 and len(state["threads"]) > 4
     assert all(len(r.samples) <= 4 for r in pool.requests)  # one chunk per request
+    # When the profile says 8x threads vote worse, disagreement brings more vanilla threads instead.
+    pool = ScriptedPool(lambda i: str(i % 2))
+    state = asyncio.run(Controller(pool, ratio_profile(0.3), build_tokenizer(), KV_PER_TOKEN, [1, 8]).solve("task", HARD, budget))
+    assert state["cr"] == 1 and {r.cr for r in pool.requests} == {1} and len(state["threads"]) > 4
 
 
 def test_impossible_budget_is_refused_before_any_work():
