@@ -162,7 +162,7 @@ class Controller:
             self.on_chunk(chunk["task_id"], chunk["samples"])
         return {"threads": [
             {"sample": r.sample_index, "answer": r.answer, "tokens": r.tokens, "mean_logprob": r.mean_logprob,
-             "realized_cr": r.realized_cr, "cr": r.cr, "finish_reason": r.finish_reason} for r in results
+             "realized_cr": r.realized_cr, "kv_cr": r.kv_cr, "cr": r.cr, "finish_reason": r.finish_reason} for r in results
         ]}
 
     def aggregate(self, state: SolveState) -> dict:

@@ -50,6 +50,7 @@ class ThreadSummary(BaseModel):
     tokens: int
     mean_logprob: float
     realized_cr: float
+    kv_cr: float = 1.0  # memory ratio: tokens processed x KV heads / KV entries held
     cr: float
     finish_reason: str
 

@@ -99,7 +99,8 @@ class SolveService:
             results = await self.pool.collect(ProblemRequest(job_id, format_prompt(request.prompt), tuple(range(samples)), params, cr),
                                               thread_done)
             threads = [ThreadSummary(sample=r.sample_index, answer=r.answer, tokens=r.tokens, mean_logprob=r.mean_logprob,
-                                     realized_cr=r.realized_cr, cr=r.cr, finish_reason=r.finish_reason) for r in results]
+                                     realized_cr=r.realized_cr, kv_cr=r.kv_cr, cr=r.cr, finish_reason=r.finish_reason)
+                       for r in results]
             vote = majority_vote([t.answer for t in threads])
             answer, votes, reason = vote.answer, vote.counts, None
         stats = [s for s in await self.pool.stats() if s is not None]

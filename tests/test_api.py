@@ -76,6 +76,7 @@ def test_sync_solve_and_cached_repeat(server):
     result = first.json()
     assert result["answer"] == "15" and result["samples"] == 3 and len(result["threads"]) == 3
     assert 0 < result["kv_peak_bytes"] <= 20_000_000 and result["tokens"] > 0
+    assert all(t["kv_cr"] == 1.0 for t in result["threads"])  # vanilla threads hold every token
     again = httpx.post(f"{server}/v1/solve", json=body, headers=AUTH, timeout=120).json()
     assert again == result  # answered from the job store's cache
 
