@@ -76,6 +76,15 @@ class PagedLayer(CacheLayerMixin):
         for name in ("table", "pos", "evict", "length", "window"):
             setattr(self, name, getattr(self, name)[~drop])
         self.zero_windows = int((self.window == 0).sum())
+        self._trim()
+
+    def _trim(self) -> None:
+        """Drop the table columns past the last one in use: a long thread that left must not keep every
+        later step gathering and masking its width."""
+        live = (self.table >= 0).any(dim=1).any(dim=0)  # [columns]
+        width = int(live.nonzero().max()) + 1 if bool(live.any()) else 0
+        if width < self.table.shape[2]:
+            self.table, self.pos, self.evict = self.table[:, :, :width], self.pos[:, :, :width], self.evict[:, :, :width]
 
     # -- the forward pass ----------------------------------------------------------------------------
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, cache_kwargs: dict[str, Any] | None = None):

@@ -194,3 +194,14 @@ def test_gpu_check_script_runs_as_a_smoke_test_on_the_cpu():
     budget = json.loads(done.stdout)["kv_budget_bytes"]
     assert runs[8.0]["threads"] >= 4 * runs[1.0]["threads"]
     assert all(0 < run["kv_peak_bytes"] <= budget for run in runs.values())
+
+
+def test_tables_shrink_when_rows_leave(tokenizer):
+    model = tiny("qwen3")
+    engine = engine_for(model, tokenizer, {})
+    engine.submit("long", PROMPTS[0], [0, 1], GREEDY)
+    for _ in range(5):
+        engine.step()
+    assert engine.cache.layers[0].table.shape[2] > 0
+    engine.run()
+    assert [layer.table.shape[2] for layer in engine.cache.layers] == [0] * len(engine.cache.layers)
