@@ -7,7 +7,7 @@ import json
 import os
 import sys
 
-from orchestrator.commands.common import make_pool
+from orchestrator.commands.common import check_adapters, make_pool, read_problems_or_exit
 
 
 def cmd_bench(args, parser) -> int:
@@ -27,12 +27,9 @@ def cmd_bench(args, parser) -> int:
     from dms_runtime.loading import default_model_path
     from orchestrator.bench import bench_throughput
     from orchestrator.plots import plot_throughput
-    from workers.worker import available_ratios
 
     model_dir = args.model or default_model_path()
-    missing = [cr for cr in args.cr or [] if cr != 1 and cr not in available_ratios(model_dir)]
-    if missing:
-        parser.error(f"argument --cr: no DMS adapter for {missing[0]:g}x beside {model_dir}")
+    check_adapters(args.cr or [], model_dir, parser, "--cr")
     report = bench_throughput(model_dir, args.kv_budget, args.max_new_tokens, args.prompts, args.seed, ratios=args.cr,
                               progress=lambda line: print(line, file=sys.stderr))
     if not any(run["threads"] for run in report["runs"][1:]):
@@ -76,17 +73,10 @@ def cmd_bench_controller(args, parser) -> int:
     from orchestrator.commands.evaluate import make_controller, run_controller
     from orchestrator.evaluate import EvalOptions, evaluate_on_pool
     from orchestrator.plots import plot_accuracy_vs_tokens
-    from tasks.jsonl import ProblemFileError, read_problems
-    from workers.worker import available_ratios
 
-    try:
-        problems = read_problems(args.problems, args.limit)
-    except ProblemFileError as error:
-        parser.error(f"argument --problems: {error}")
+    problems = read_problems_or_exit(args, parser)
     model_dir = args.model or default_model_path()
-    missing = [cr for cr, _ in args.fixed if cr != 1 and cr not in available_ratios(model_dir)]
-    if missing:
-        parser.error(f"argument --fixed: no DMS adapter for {missing[0]:g}x beside {model_dir}")
+    check_adapters([cr for cr, _ in args.fixed], model_dir, parser, "--fixed")
     pool = make_pool(model_dir, args.kv_budget, args.workers)
     controller, budget = make_controller(args, parser, problems, model_dir, pool, args.temperature)
     runs = []

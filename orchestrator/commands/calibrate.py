@@ -7,7 +7,7 @@ import json
 import sys
 from pathlib import Path
 
-from orchestrator.commands.common import make_pool
+from orchestrator.commands.common import check_adapters, make_pool
 
 
 def cmd_calibrate(args, parser) -> int:
@@ -17,9 +17,7 @@ def cmd_calibrate(args, parser) -> int:
 
     model_dir = args.model or default_model_path()
     ratios = args.cr or [1.0] + available_ratios(model_dir)
-    missing = [cr for cr in ratios if cr != 1 and cr not in available_ratios(model_dir)]
-    if missing:
-        parser.error(f"argument --cr: no DMS adapter for {missing[0]:g}x beside {model_dir}")
+    check_adapters(ratios, model_dir, parser, "--cr")
     pool = make_pool(model_dir, None, args.workers)
     window = 16
     adapters = sorted(Path(model_dir).glob("dms-*x.json"))

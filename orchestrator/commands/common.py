@@ -1,4 +1,5 @@
-"""What several commands share: loading a model or exiting with a message, building the workers."""
+"""What several commands share: loading a model or a problem file or exiting with a message, checking
+requested ratios against the adapters, building the workers."""
 
 from __future__ import annotations
 
@@ -16,6 +17,25 @@ def load_model_or_exit(args, parser):
     except ModelLoadError as error:
         parser.error(f"argument --model: {error}")
     return model, tokenizer, str(path)
+
+
+def read_problems_or_exit(args, parser) -> list[dict]:
+    """``--problems`` (first ``--limit``), or a one-line usage error naming the field."""
+    from tasks.jsonl import ProblemFileError, read_problems
+
+    try:
+        return read_problems(args.problems, args.limit)
+    except ProblemFileError as error:
+        parser.error(f"argument --problems: {error}")
+
+
+def check_adapters(ratios, model_dir, parser, option: str) -> None:
+    """Exit with a usage error naming ``option`` if a ratio above 1 has no adapter beside the model."""
+    from workers.worker import available_ratios
+
+    missing = [cr for cr in ratios if cr != 1 and cr not in available_ratios(model_dir)]
+    if missing:
+        parser.error(f"argument {option}: no DMS adapter for {missing[0]:g}x beside {model_dir}")
 
 
 def make_pool(model_dir, kv_budget: int | None, workers: int):

@@ -6,7 +6,7 @@ import asyncio
 import json
 import sys
 
-from orchestrator.commands.common import load_model_or_exit, make_pool
+from orchestrator.commands.common import load_model_or_exit, make_pool, read_problems_or_exit
 
 
 def eval_methods(args, parser, model_dir) -> list:
@@ -29,13 +29,10 @@ def eval_methods(args, parser, model_dir) -> list:
 def cmd_eval(args, parser) -> int:
     from orchestrator.evaluate import EvalOptions, evaluate, evaluate_on_pool
     from orchestrator.plots import plot_accuracy_by_k, plot_pareto
-    from tasks.jsonl import ProblemFileError, read_problems, write_jsonl
+    from tasks.jsonl import write_jsonl
     from workers.kv_methods import kv_policy
 
-    try:
-        problems = read_problems(args.problems, args.limit)
-    except ProblemFileError as error:
-        parser.error(f"argument --problems: {error}")
+    problems = read_problems_or_exit(args, parser)
     from dms_runtime.loading import default_model_path
 
     model_dir = args.model or default_model_path()
@@ -93,7 +90,8 @@ def cmd_eval(args, parser) -> int:
 
 
 def make_controller(args, parser, problems: list[dict], model_dir, pool, temperature: float):
-    """The controller and the per-problem budget of ``--kv-budget/--profile/--max-threads``, checked before any work."""
+    """The controller and the per-problem budget of ``--kv-budget/--profile/--max-threads``, checked before any
+    work (callers make sure ``--kv-budget`` is given)."""
     from transformers import AutoTokenizer
 
     from orchestrator.controller import Budget, Controller, check_budget as controller_budget
@@ -101,9 +99,6 @@ def make_controller(args, parser, problems: list[dict], model_dir, pool, tempera
     from tasks.prompt import format_prompt
     from workers.worker import available_ratios
 
-    if args.kv_budget is None:
-        pool.shutdown()
-        parser.error("argument --kv-budget: the controller needs it (the memory each problem's threads may hold)")
     if not args.profile.is_file():
         pool.shutdown()
         parser.error(f"argument --profile: no calibration profile at {args.profile} (run thinkpool calibrate)")
