@@ -166,6 +166,19 @@ def evicted_fraction(alphas: list[torch.Tensor], lengths: torch.Tensor, window: 
     return fraction, ratio
 
 
+def sampled_quantile(values: torch.Tensor, q: float) -> torch.Tensor:
+    """The ``q``-quantile of ``values``, estimated on at most a million of them (``torch.quantile``'s limit)."""
+    return torch.quantile(values[torch.randperm(len(values), device=values.device)[:1_000_000]].float(), q)
+
+
+def ratio_logits(decisions: list[torch.Tensor], row_ratio: torch.Tensor, lengths: torch.Tensor, window: int, ratio: int) -> torch.Tensor:
+    """The decision logits (every layer and head) of ratio ``ratio``'s rows, for the tokens that left the window."""
+    stacked = torch.stack(decisions)  # [layers, B, kv, T]
+    rows = (row_ratio == ratio).to(stacked.device)
+    eligible = left_window_mask(lengths.to(stacked.device), stacked.shape[-1], window) & rows[:, None]  # [B, T]
+    return stacked[eligible[None, :, None, :].expand_as(stacked)]
+
+
 def far_attention_labels(far: list[torch.Tensor], lengths: torch.Tensor, window: int, fraction: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Eviction labels ``[layers, B, kv_heads, T]`` (1 = evict), their weights and the mask of keys that left
     the window: the ``fraction`` of those keys that get the least far attention, over all layers and heads
@@ -176,7 +189,7 @@ def far_attention_labels(far: list[torch.Tensor], lengths: torch.Tensor, window:
     scores = stacked[eligible]
     if not scores.numel():
         return torch.zeros_like(stacked), torch.ones_like(stacked), eligible
-    threshold = torch.quantile(scores[torch.randperm(len(scores))[:1_000_000]].float(), fraction).clamp(min=1e-6)
+    threshold = sampled_quantile(scores, fraction).clamp(min=1e-6)
     weights = (stacked / threshold).clamp(1.0, 100.0)
     return ((stacked < threshold) & eligible).float(), weights, eligible
 
@@ -235,35 +248,25 @@ def calibrate_offsets(model, handle, row_gates: nn.ModuleList, config: RetrofitC
     for index in range(batches):
         batch = difficulty_batch(tokenizer, random.Random(config.seed * 1_000_003 - 104_729 * (index + 1)), config.k_min,
                                  config.k_max, config.tokens_per_batch)
-        row_ratio, far, decisions = probe_pass(model, handle, row_gates, batch, ratios)
+        row_ratio, _, decisions = probe_pass(model, handle, row_gates, batch, ratios)
         for r in range(ratios):
-            rows = row_ratio == r
-            if bool(rows.any()):
-                _, _, eligible = far_attention_labels([f[rows] for f in far], batch.lengths[rows], config.window, 0.5)
-                collected[r].append(torch.stack([d[rows] for d in decisions])[eligible].detach().float().cpu())
+            collected[r].append(ratio_logits(decisions, row_ratio, batch.lengths, config.window, r).detach().float().cpu())
     for r, fraction in enumerate(fractions):
-        if not collected[r]:
-            continue
         logits = torch.cat(collected[r])
-        shift = torch.quantile(logits[torch.randperm(len(logits))[:1_000_000]], 1.0 - fraction).item()
-        for layer in row_gates:
-            gate = layer.gates[r]
-            gate.config = dataclasses.replace(gate.config, init_offset=gate.config.init_offset - shift)
+        if logits.numel():
+            gates = [layer.gates[r] for layer in row_gates]
+            set_offsets([gates], [gates[0].config.init_offset - sampled_quantile(logits, 1.0 - fraction).item()])
 
 
 def track_offsets(per_ratio: list[nn.ModuleList], decisions: list[torch.Tensor], row_ratio: torch.Tensor,
                   lengths: torch.Tensor, window: int, fractions: list[float], damping: float = 0.5) -> None:
     """Frozen gates: move each ratio's logit offset towards the one that would have evicted exactly its target
     fraction of this batch (its rows, under the current weights), so ratios stay on target as weights change."""
-    eligible = left_window_mask(lengths, decisions[0].shape[-1], window)  # [B, T]
-    stacked = torch.stack(decisions)  # [layers, B, kv, T]
     for r, (gates, fraction) in enumerate(zip(per_ratio, fractions)):
-        mask = (eligible & (row_ratio == r)[:, None])[None, :, None, :].expand_as(stacked)
-        if not bool(mask.any()):
-            continue
-        values = stacked[mask]
-        shift = torch.quantile(values[torch.randperm(len(values))[:1_000_000]], 1.0 - fraction).item()
-        set_offsets([gates], [gates[0].config.init_offset - damping * shift])
+        values = ratio_logits(decisions, row_ratio, lengths, window, r)
+        if values.numel():
+            shift = sampled_quantile(values, 1.0 - fraction).item()
+            set_offsets([gates], [gates[0].config.init_offset - damping * shift])
 
 
 def set_offsets(per_ratio: list[nn.ModuleList], offsets: list[float]) -> None:
