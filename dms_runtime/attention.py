@@ -121,16 +121,22 @@ def _train_attention(module, state: LayerState, query, key, value, attention_mas
         raise ValueError("DMS training attention needs the whole sequence at once (no cache)")
     alpha = straight_through_alpha(shifted_decisions(state.logits.float()), state.temperature, state.noise)
     state.alpha = alpha
-    groups = query.shape[1] // key.shape[1]
     bias = eviction_bias(alpha, q_len, state.window)  # [B, decisions, q, k]
     bias = bias.expand(-1, key.shape[1], -1, -1) if bias.shape[1] == 1 else bias
-    allowed = _base_mask(attention_mask, q_len, k_len, query.device)
+    out, _ = _explicit_attention(query, key, value, _base_mask(attention_mask, q_len, k_len, query.device), scaling, bias)
+    return out, None
+
+
+def _explicit_attention(query, key, value, allowed: torch.Tensor, scaling, bias: torch.Tensor | None = None):
+    """Attention written out (float32), for the modes that need the scores: ``bias`` ``[B, kv_heads, q, k]``
+    is added per KV head; returns the output ``[B, q, heads, D]`` and the probabilities ``[B, heads, q, k]``."""
+    groups = query.shape[1] // key.shape[1]
     scores = torch.matmul(query.float(), _expand_groups(key, groups).float().transpose(-1, -2)) * (scaling or query.shape[-1] ** -0.5)
-    scores = scores + _expand_groups(bias, groups)
-    scores = scores.masked_fill(~allowed, float("-inf"))
-    probs = torch.softmax(scores, dim=-1)
+    if bias is not None:
+        scores = scores + _expand_groups(bias, groups)
+    probs = torch.softmax(scores.masked_fill(~allowed, float("-inf")), dim=-1)
     out = torch.matmul(probs, _expand_groups(value, groups).float()).to(query.dtype)
-    return out.transpose(1, 2).contiguous(), None
+    return out.transpose(1, 2).contiguous(), probs
 
 
 def far_attention(probs: torch.Tensor, kv_heads: int, window: int) -> torch.Tensor:
@@ -144,14 +150,10 @@ def far_attention(probs: torch.Tensor, kv_heads: int, window: int) -> torch.Tens
 
 
 def _probe_attention(module, state: LayerState, query, key, value, attention_mask, scaling):
-    q_len, k_len = query.shape[2], key.shape[2]
-    groups = query.shape[1] // key.shape[1]
-    allowed = _base_mask(attention_mask, q_len, k_len, query.device)
-    scores = torch.matmul(query.float(), _expand_groups(key, groups).float().transpose(-1, -2)) * (scaling or query.shape[-1] ** -0.5)
-    probs = torch.softmax(scores.masked_fill(~allowed, float("-inf")), dim=-1)
+    allowed = _base_mask(attention_mask, query.shape[2], key.shape[2], query.device)
+    out, probs = _explicit_attention(query, key, value, allowed, scaling)
     state.far_attention = far_attention(probs, key.shape[1], state.window).detach()
-    out = torch.matmul(probs, _expand_groups(value, groups).float()).to(query.dtype)
-    return out.transpose(1, 2).contiguous(), None
+    return out, None
 
 
 AttentionInterface.register("dms", dms_attention)
