@@ -51,8 +51,7 @@ class PagedLayer(CacheLayerMixin):
         self.pos = torch.cat([self.pos, self.pos.new_full((count, heads, self.pos.shape[2]), -1)])
         self.evict = torch.cat([self.evict, self.evict.new_zeros((count, heads, self.evict.shape[2]))])
         self.length = torch.cat([self.length, self.length.new_zeros(count)])
-        self.window = torch.cat([self.window, windows.to(self.window)])
-        self.zero_windows = int((self.window == 0).sum())
+        self._set_windows(torch.cat([self.window, windows.to(self.window)]))
 
     def extend(self, other: "PagedLayer", repeat: int) -> None:
         """Append ``other``'s rows ``repeat`` times each; the copies share (and reference) its slots."""
@@ -62,8 +61,7 @@ class PagedLayer(CacheLayerMixin):
             mine, theirs = _widen(getattr(self, name), width, fill), _widen(getattr(other, name), width, fill)
             setattr(self, name, torch.cat([mine, theirs.repeat_interleave(repeat, dim=0)]))
         self.length = torch.cat([self.length, other.length.repeat_interleave(repeat)])
-        self.window = torch.cat([self.window, other.window.repeat_interleave(repeat)])
-        self.zero_windows = int((self.window == 0).sum())
+        self._set_windows(torch.cat([self.window, other.window.repeat_interleave(repeat)]))
 
     def remove_rows(self, rows: list[int]) -> None:
         """Release the slots of ``rows`` and drop them; the other rows keep their order."""
@@ -73,10 +71,15 @@ class PagedLayer(CacheLayerMixin):
         drop[rows] = True
         gone = self.table[drop]
         self.pool.release(gone[gone >= 0])
-        for name in ("table", "pos", "evict", "length", "window"):
+        for name in ("table", "pos", "evict", "length"):
             setattr(self, name, getattr(self, name)[~drop])
-        self.zero_windows = int((self.window == 0).sum())
+        self._set_windows(self.window[~drop])
         self._trim()
+
+    def _set_windows(self, windows: torch.Tensor) -> None:
+        """Every row's window, and (kept beside it, so a decode step need not look) how many are 0."""
+        self.window = windows
+        self.zero_windows = int((windows == 0).sum())
 
     def _trim(self) -> None:
         """Drop the table columns past the last one in use: a long thread that left must not keep every
