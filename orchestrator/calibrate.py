@@ -1,8 +1,9 @@
 """``thinkpool calibrate``: measure the planner's profile on the workers.
 
-For every difficulty bin and ratio, ``threads`` sampled threads run on each of ``problems`` fresh
-problems. Vote accuracy for n = 1, 2, 4, ... threads is estimated from those threads by averaging the
-majority vote over random n-subsets (so one run gives every n), along with the mean tokens per thread.
+For every difficulty bin and ratio, ``threads`` sampled threads and one greedy thread run on each of
+``problems`` fresh problems. Vote accuracy for n = 1, 2, 4, ... sampled threads is estimated from those
+threads by averaging the majority vote over random n-subsets (so one run gives every n), along with the
+mean tokens per thread; the greedy thread gives the profile's ``greedy`` entry.
 """
 
 from __future__ import annotations
@@ -39,11 +40,21 @@ async def calibrate(pool, bins: list[tuple[int, int]], ratios: list[float], prob
                                SamplingParams(temperature, 1.0, max_new_tokens, seed * 7919 + i), cr)
                 for i, p in enumerate(suite)
             ]
-            results = await asyncio.gather(*(pool.collect(r) for r in requests))
+            greedy_requests = [
+                ProblemRequest(f"calibrate-{low}-{cr:g}-{i}-greedy", format_prompt(p["prompt"]), (0,),
+                               SamplingParams(0.0, 1.0, max_new_tokens, 0), cr)
+                for i, p in enumerate(suite)
+            ]
+            everything = await asyncio.gather(*(pool.collect(r) for r in requests + greedy_requests))
+            results, greedy = everything[: len(suite)], [group[0] for group in everything[len(suite):]]
             tokens = [t.tokens for group in results for t in group]
+            entries.append(ProfileEntry(k_min=low, k_max=high, cr=cr, threads=1, greedy=True,
+                                        accuracy=sum(answers_match(t.answer, p["answer"]) for t, p in zip(greedy, suite)) / len(suite),
+                                        tokens_per_thread=max(1.0, sum(t.tokens for t in greedy) / len(greedy))))
             for n in counts:
                 accuracy = sum(vote_accuracy([t.answer for t in group], p["answer"], n, rng) for p, group in zip(suite, results))
                 entries.append(ProfileEntry(k_min=low, k_max=high, cr=cr, threads=n, accuracy=accuracy / len(suite),
                                             tokens_per_thread=sum(tokens) / len(tokens)))
-            progress(f"k {low}-{high} at {cr:g}x: " + ", ".join(f"vote@{e.threads} {e.accuracy:.2f}" for e in entries[-len(counts):]))
+            progress(f"k {low}-{high} at {cr:g}x: " + ", ".join(f"{'greedy' if e.greedy else f'vote@{e.threads}'} {e.accuracy:.2f}"
+                                                            for e in entries[-len(counts) - 1:]))
     return CalibrationProfile(model=model, max_new_tokens=max_new_tokens, temperature=temperature, window=window, entries=entries)

@@ -1,10 +1,12 @@
 """Budget planning: which (compression ratio, threads, token limit) to give a task, from a calibration profile.
 
 A profile (measured by ``thinkpool calibrate``, stored as JSON in ``configs/``) holds, per difficulty bin
-and ratio, the vote accuracy of n sampled threads (n = 1, 2, 4, ...) and the mean tokens per thread.
-The planner picks, among the configurations whose KV reservation fits the task's budget, the most
-accurate one; among those within ``tolerance`` of it, the one that generates the fewest tokens. Its
-expected accuracy per added thread also ranks tasks competing for the same workers.
+and ratio, the vote accuracy of n sampled threads (n = 1, 2, 4, ...), the accuracy of one greedy thread
+(``greedy`` entries), and the mean tokens per thread. The planner picks, among the configurations whose
+KV reservation fits the task's budget, the most accurate one; among those within ``tolerance`` of it, the
+one that generates the fewest tokens. A greedy thread often beats a vote of a few sampled ones (sampling
+trades each thread's accuracy for diversity), so "one greedy thread" is a plan like any other. Expected
+accuracy per added thread also ranks tasks competing for the same workers.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ class ProfileEntry(BaseModel):
     k_max: int
     cr: float
     threads: int = Field(ge=1)
+    greedy: bool = False  # one greedy thread (then threads == 1), not a vote of sampled ones
     accuracy: float = Field(ge=0, le=1)
     tokens_per_thread: float = Field(gt=0)
 
@@ -56,14 +59,27 @@ class CalibrationProfile(BaseModel):
 
     def accuracy(self, k: int | None, cr: float, threads: int) -> float:
         """Expected vote accuracy of ``threads`` threads at ``cr`` (the nearest measured count at or below)."""
-        known = [e for e in self.entries_for(k) if e.cr == cr and e.threads <= threads]
+        known = [e for e in self.entries_for(k) if e.cr == cr and e.threads <= threads and not e.greedy]
         return max(known, key=lambda e: e.threads).accuracy if known else 0.0
+
+    def greedy_accuracy(self, k: int | None, cr: float) -> float | None:
+        """Expected accuracy of one greedy thread at ``cr`` (None when the profile did not measure it)."""
+        known = [e.accuracy for e in self.entries_for(k) if e.cr == cr and e.greedy]
+        return known[0] if known else None
+
+    def accuracy_with_greedy(self, k: int | None, cr: float, threads: int) -> float:
+        """Expected accuracy of a greedy thread followed by ``threads - 1`` sampled ones (the controller's
+        rounds): the better of the greedy thread alone and the sampled vote."""
+        greedy = self.greedy_accuracy(k, cr)
+        sampled = self.accuracy(k, cr, threads - 1) if threads > 1 else 0.0
+        return max(greedy if greedy is not None else self.accuracy(k, cr, 1), sampled)
 
 
 @dataclass(frozen=True)
 class Plan:
     cr: float
     threads: int
+    greedy: bool
     max_new_tokens: int
     expected_accuracy: float
     expected_tokens: float
@@ -86,4 +102,5 @@ def plan(profile: CalibrationProfile, k: int | None, kv_budget_bytes: int, threa
         raise ValueError(f"kv_budget: {kv_budget_bytes} bytes cannot hold one thread (the smallest needs {cheapest} bytes)")
     best = max(e.accuracy for e in options)
     chosen = min((e for e in options if e.accuracy >= best - tolerance), key=lambda e: (e.threads * e.tokens_per_thread, -e.accuracy))
-    return Plan(chosen.cr, chosen.threads, profile.max_new_tokens, chosen.accuracy, chosen.threads * chosen.tokens_per_thread)
+    return Plan(chosen.cr, chosen.threads, chosen.greedy, profile.max_new_tokens, chosen.accuracy,
+                chosen.threads * chosen.tokens_per_thread)

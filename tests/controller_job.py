@@ -30,7 +30,7 @@ def main(task_id: str) -> None:
     synthetic = profile(max_new_tokens=200)
     synthetic = synthetic.model_copy(update={"entries": [e.model_copy(update={"threads": 12 if e.threads == 16 else e.threads})
                                                          for e in synthetic.entries if e.cr == 1]})
-    controller = Controller(pool, synthetic, build_tokenizer(), KV_PER_TOKEN, [1], threshold=1.01,  # never settles
+    controller = Controller(pool, synthetic, build_tokenizer(), KV_PER_TOKEN, [1], threshold=1.01, greedy_first=False,  # never settles
                             checkpointer=RedisSaver.from_url(os.environ["REDIS_URL"]), on_chunk=on_chunk)
     state = asyncio.run(controller.solve(task_id, HARD, Budget(kv_budget_bytes=20_000_000, max_threads=12), seed=5))
     print(json.dumps({"threads": state["threads"], "answer": state["answer"]}))

@@ -67,15 +67,16 @@ def test_planner_picks_the_most_accurate_fit_and_the_cheapest_among_equals():
 
 
 class ScriptedPool:
-    """Workers that answer from a script (sample index -> answer): for the graph's routing only."""
+    """Workers that answer from a script (sample index -> answer): for the graph's routing only. Every thread
+    reports ``min_logprob`` as its least likely token (default: an unsure greedy thread)."""
 
-    def __init__(self, answer_of):
-        self.answer_of, self.requests = answer_of, []
+    def __init__(self, answer_of, min_logprob: float = -2.0):
+        self.answer_of, self.min_logprob, self.requests = answer_of, min_logprob, []
 
     async def collect(self, request, on_result=None):
         self.requests.append(request)
         return [ThreadResult(request.request_id, i, f"#{self.answer_of(i)}", 50, self.answer_of(i), -0.1, request.cr, request.cr,
-                             "eos") for i in request.samples]
+                             "eos", min_logprob=self.min_logprob) for i in request.samples]
 
 
 def run(pool, prompt, budget, **kwargs):
@@ -86,19 +87,43 @@ def run(pool, prompt, budget, **kwargs):
 HARD = "a=76;b=53;c=28;d=18;e=16;f=35;g=d*b;h=e+e;i=g+a;j=d-a;k=a*j;l=k*c;m=c-e;n=m*k;o=e*b;p=j*k;q=o*j;r=c-d;?r"
 
 
-def test_unanimous_threads_finish_after_the_first_round():
+def test_an_unsure_greedy_thread_is_followed_by_sampled_ones_that_settle_the_answer():
     pool = ScriptedPool(lambda i: "5")
     state = run(pool, HARD, Budget(kv_budget_bytes=10**9))
-    assert state["stop_reason"] == "settled" and state["answer"] == "5" and len(state["threads"]) == 4
-    assert state["cr"] == 8 and [e["event"] for e in state["rounds"]] == ["plan", "round"]
+    assert state["stop_reason"] == "settled" and state["answer"] == "5" and len(state["threads"]) == 5
+    assert state["cr"] == 8 and [e["event"] for e in state["rounds"]] == ["plan", "round", "escalate", "round"]
+    first, second = pool.requests
+    assert first.samples == (0,) and first.params.temperature == 0.0  # the greedy thread
+    assert second.samples == (1, 2, 3, 4) and second.params.temperature == 0.8
+
+
+def test_a_confident_greedy_thread_is_the_answer():
+    pool = ScriptedPool(lambda i: "5", min_logprob=-0.1)
+    state = run(pool, HARD, Budget(kv_budget_bytes=10**9))
+    assert state["stop_reason"] == "confident" and state["answer"] == "5" and len(state["threads"]) == 1
+
+
+def test_a_plan_of_one_greedy_thread_stops_after_it_even_when_unsure():
+    p = profile()
+    p.entries += [ProfileEntry(k_min=11, k_max=20, cr=1, threads=1, greedy=True, accuracy=0.9, tokens_per_thread=2000)]
+    pool = ScriptedPool(lambda i: "5")
+    state = asyncio.run(Controller(pool, p, build_tokenizer(), KV_PER_TOKEN, [1, 4, 8]).solve("task", HARD, Budget(kv_budget_bytes=10**9)))
+    assert state["rounds"][0]["greedy"] and state["stop_reason"] == "planned" and len(state["threads"]) == 1
 
 
 def test_disagreement_escalates_to_more_threads_then_stops_at_the_thread_budget():
     pool = ScriptedPool(lambda i: str(i % 3))  # never settles
-    state = run(pool, HARD, Budget(kv_budget_bytes=10**9, max_threads=24))
+    state = run(pool, HARD, Budget(kv_budget_bytes=10**9, max_threads=16))  # the plan: 8x x16, after the greedy one
     events = [e["event"] for e in state["rounds"]]
-    assert events[:4] == ["plan", "round", "escalate", "round"] and state["stop_reason"] == "budget"
-    assert len(state["threads"]) == 24 and sorted(t["sample"] for t in state["threads"]) == list(range(24))
+    assert events == ["plan"] + ["round", "escalate"] * 3 + ["round"] and state["stop_reason"] == "budget"
+    assert len(state["threads"]) == 16 and sorted(t["sample"] for t in state["threads"]) == list(range(16))
+
+
+def test_past_the_plan_escalation_stops_when_the_profile_expects_no_gain():
+    pool = ScriptedPool(lambda i: str(i % 3))
+    state = run(pool, HARD, Budget(kv_budget_bytes=10**9, max_threads=64))
+    # the plan is 8x x16 (best in the profile), run as 1 greedy + 16 sampled; the profile knows nothing past 16
+    assert state["stop_reason"] == "no_expected_gain" and len(state["threads"]) == 17
 
 
 def ratio_profile(accuracy_at_8x_16: float) -> CalibrationProfile:
@@ -113,17 +138,24 @@ def ratio_profile(accuracy_at_8x_16: float) -> CalibrationProfile:
 def test_a_spent_plan_escalates_to_a_higher_ratio_only_when_the_profile_expects_it_to_vote_better():
     budget = Budget(kv_budget_bytes=4 * 420 * KV_PER_TOKEN, max_threads=40)  # 4 vanilla threads of ~400 tokens
     # 8x x16 would be within a point of 1x x4, so the plan is the cheaper 1x x4; when its threads disagree,
-    # 16+ threads at 8x (which fit where 1x does not) are expected to vote better than more vanilla ones.
+    # 16+ threads at 8x (which fit where 1x does not) are expected to vote better than more vanilla ones
+    # (by half a point: min_gain=0 lets so small a gain count).
     pool = ScriptedPool(lambda i: str(i % 2))
-    state = asyncio.run(Controller(pool, ratio_profile(0.605), build_tokenizer(), KV_PER_TOKEN, [1, 8]).solve("task", HARD, budget))
+    controller = Controller(pool, ratio_profile(0.605), build_tokenizer(), KV_PER_TOKEN, [1, 8], min_gain=0.0)
+    state = asyncio.run(controller.solve("task", HARD, budget))
     assert state["rounds"][0]["cr"] == 1
     escalations = [e for e in state["rounds"] if e.get("cr") == 8 and e["event"] == "escalate"]
     assert escalations and state["cr"] == 8 and len(state["threads"]) > 4
     assert all(len(r.samples) <= 4 for r in pool.requests)  # one chunk per request
-    # When the profile says 8x threads vote worse, disagreement brings more vanilla threads instead.
+    # When the profile says 8x threads vote worse, disagreement brings more vanilla threads instead (when any
+    # gain is worth a round: min_gain=0), or nothing more (the default: more vanilla threads add nothing here).
+    pool = ScriptedPool(lambda i: str(i % 2))
+    controller = Controller(pool, ratio_profile(0.3), build_tokenizer(), KV_PER_TOKEN, [1, 8], min_gain=0.0)
+    state = asyncio.run(controller.solve("task", HARD, budget))
+    assert state["cr"] == 1 and {r.cr for r in pool.requests} == {1} and len(state["threads"]) > 5
     pool = ScriptedPool(lambda i: str(i % 2))
     state = asyncio.run(Controller(pool, ratio_profile(0.3), build_tokenizer(), KV_PER_TOKEN, [1, 8]).solve("task", HARD, budget))
-    assert state["cr"] == 1 and {r.cr for r in pool.requests} == {1} and len(state["threads"]) > 4
+    assert state["stop_reason"] == "no_expected_gain" and len(state["threads"]) == 5
 
 
 def test_impossible_budget_is_refused_before_any_work():
@@ -139,7 +171,8 @@ def test_a_real_solve_on_the_shipped_model():
     controller = Controller(pool, profile(max_new_tokens=300), build_tokenizer(), KV_PER_TOKEN, [1])
     state = asyncio.run(controller.solve("easy", "a=3;b=4;c=a*b;d=c+a;?d", Budget(kv_budget_bytes=8_000_000)))
     assert state["answer"] == "15" and state["k"] == 2
-    assert state["votes"]["15"] > len(state["threads"]) / 2 and state["stop_reason"] in ("settled", "planned")
+    assert state["votes"]["15"] > len(state["threads"]) / 2 and state["stop_reason"] in ("settled", "planned", "confident")
+    assert state["rounds"][1] == {"event": "round", "cr": 1, "threads": 1, "greedy": True}
 
 
 def test_a_killed_controller_resumes_from_redis_without_rerunning_finished_threads(redis_url, tmp_path):
@@ -208,11 +241,12 @@ def test_a_new_tasks_first_round_goes_ahead_of_another_tasks_escalations():
             self.arrivals.append(task_id)
             await super().acquire(task_id, nbytes, priority)
 
-    pool = SlowPool(lambda i: str(i % 3))  # never settles: every task escalates to its thread budget
+    pool = SlowPool(lambda i: str(i % 3))  # never settles: every task runs its whole plan (16 threads)
     allocator = RecordingAllocator(1)  # every chunk is larger: one chunk at a time
     # Two controllers share the allocator; the first opens with a 12-thread round (3 chunks).
-    big_first = Controller(pool, profile(), build_tokenizer(), KV_PER_TOKEN, [1, 4, 8], allocator=allocator, first_round=12)
-    controller = Controller(pool, profile(), build_tokenizer(), KV_PER_TOKEN, [1, 4, 8], allocator=allocator)
+    big_first = Controller(pool, profile(), build_tokenizer(), KV_PER_TOKEN, [1, 4, 8], allocator=allocator, first_round=12,
+                           greedy_first=False)
+    controller = Controller(pool, profile(), build_tokenizer(), KV_PER_TOKEN, [1, 4, 8], allocator=allocator, greedy_first=False)
     budget = Budget(kv_budget_bytes=10**9, max_threads=24)
 
     async def both():
@@ -223,7 +257,7 @@ def test_a_new_tasks_first_round_goes_ahead_of_another_tasks_escalations():
         return await hard, await late
 
     hard, late = asyncio.run(both())
-    assert hard["stop_reason"] == late["stop_reason"] == "budget"
+    assert hard["stop_reason"] == late["stop_reason"] == "no_expected_gain"
     # Hard chunks that had arrived before the late task's first one, but were granted after it.
     late_arrival = allocator.arrivals.index("late")
     queued_before = allocator.arrivals[:late_arrival].count("hard")

@@ -65,6 +65,10 @@ class ThreadResult:
     # Tokens processed x KV heads / KV entries held: the memory saving. realized_cr averages per-head
     # ratios instead, so heads that evict almost everything raise it more than they save memory.
     kv_cr: float = 1.0
+    # The least likely token the thread chose (the model's own log-probability, whatever the temperature):
+    # one near-tie decided the wrong way is how a chain of thought goes wrong, so a thread whose every
+    # choice was clear-cut is the one to trust (DeepConf's "lowest confidence" signal).
+    min_logprob: float = 0.0
 
 
 @dataclass(eq=False)
@@ -78,6 +82,7 @@ class Thread:
     status: Status = Status.WAITING
     tokens: list[int] = field(default_factory=list)
     logprob_sum: float = 0.0
+    logprob_min: float = 0.0
     preemptions: int = 0
     finish_reason: str | None = None
     _in_answer: bool = False
@@ -96,6 +101,7 @@ class Thread:
     def append(self, token: int, logprob: float, stop: StopRule) -> bool:
         """Record a sampled token; returns True when the thread has stopped."""
         self.logprob_sum += logprob
+        self.logprob_min = min(self.logprob_min, logprob)
         if token == stop.eos:
             self.finish_reason = "eos"
             return True
@@ -116,7 +122,7 @@ class Thread:
         mean = self.logprob_sum / count if count else -math.inf
         return ThreadResult(
             self.problem_id, self.sample_index, text, count, extract_chain_answer(text), mean, realized_cr,
-            self.cr, self.finish_reason or "cancelled", self.preemptions, kv_cr,
+            self.cr, self.finish_reason or "cancelled", self.preemptions, kv_cr, self.logprob_min,
         )
 
 
