@@ -51,14 +51,16 @@ def plot_pareto(runs: list[dict], path: str | Path, title: str = "accuracy again
 
 
 def plot_accuracy_vs_tokens(runs: list[dict], path: str | Path, title: str = "accuracy against generated tokens") -> Path:
-    """One labelled point per run: fixed configurations as circles, the controller as a star."""
+    """One labelled point per run: fixed configurations as circles, greedy as a diamond, the controller as a star."""
     figure, axes = plt.subplots(figsize=(7, 4.5))
-    fixed = [r for r in runs if r["method"] != "controller"]
+    fixed = [r for r in runs if r["method"] not in ("controller", "greedy")]
     axes.scatter([r["tokens_generated"] for r in fixed], [100 * r["accuracy"] for r in fixed], label="fixed (ratio x threads)")
     for run in runs:
         axes.annotate(run["method"], (run["tokens_generated"], 100 * run["accuracy"]), fontsize=8,
                       textcoords="offset points", xytext=(4, 4))
     for run in runs:
+        if run["method"] == "greedy":
+            axes.scatter([run["tokens_generated"]], [100 * run["accuracy"]], marker="D", color="tab:gray", label="one greedy thread")
         if run["method"] == "controller":
             axes.scatter([run["tokens_generated"]], [100 * run["accuracy"]], marker="*", s=220, color="tab:red", label="controller")
     axes.set_xscale("log")

@@ -101,8 +101,9 @@ def test_bench_controller_compares_against_fixed_configurations(easy_file, tmp_p
                      "--fixed", "1x1", "1x2", "--max-threads", "4", "--max-new-tokens", "300", "--json", "--plot", str(plot))
     assert done.returncode == 0, done.stderr
     report = json.loads(done.stdout)
-    fixed_one, fixed_two, controller = report["runs"]
-    assert [fixed_one["method"], fixed_two["method"], controller["method"]] == ["1x1", "1x2", "controller"]
+    fixed_one, fixed_two, greedy, controller = report["runs"]
+    assert [fixed_one["method"], fixed_two["method"], greedy["method"], controller["method"]] == ["1x1", "1x2", "greedy", "controller"]
+    assert greedy["config"]["decoding"] == "greedy" and "accuracy_gain" in report["versus_greedy"]
     assert fixed_one["samples_per_problem"] == 1 and fixed_two["samples_per_problem"] == 2
     assert fixed_two["tokens_generated"] > fixed_one["tokens_generated"]
     assert controller["n"] == 3 and sum(controller["threads_chosen"].values()) == 3

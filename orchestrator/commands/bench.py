@@ -67,7 +67,8 @@ def cmd_bench_overhead(args, parser) -> int:
 
 
 def cmd_bench_controller(args, parser) -> int:
-    """Every fixed configuration, then the controller, on the same problems, each problem with the whole pool."""
+    """Every fixed configuration and a greedy reference, then the controller, on the same problems, each problem
+    with the whole pool."""
     from dms_runtime.loading import default_model_path
     from orchestrator.bench import compare_to_fixed
     from orchestrator.commands.evaluate import make_controller, run_controller
@@ -80,17 +81,22 @@ def cmd_bench_controller(args, parser) -> int:
     pool = make_pool(model_dir, args.kv_budget, args.workers)
     controller, budget = make_controller(args, parser, problems, model_dir, pool, args.temperature)
     runs = []
-    for cr, threads in args.fixed:
+    # The fixed configurations vote sampled threads; one greedy thread per problem runs beside them as a
+    # reference (the controller opens with one), compared separately.
+    for method, cr, threads in [(f"{cr:g}x{n}", cr, n) for cr, n in args.fixed] + [("greedy", 1.0, 1)]:
         options = EvalOptions(samples=threads, seed=args.seed, temperature=args.temperature, max_new_tokens=args.max_new_tokens)
-        report = asyncio.run(evaluate_on_pool(problems, pool, options, cr, f"{cr:g}x{threads}", sequential=True))
+        report = asyncio.run(evaluate_on_pool(problems, pool, options, cr, method, sequential=True))
         report.pop("problems")
         runs.append({**report, "cr": cr, "threads": threads})
     report = asyncio.run(run_controller(problems, pool, controller, budget, args.seed))
     report.pop("problems")
     runs.append(report)
     pool.shutdown()
+    fixed, greedy, controller_run = runs[:-2], runs[-2], runs[-1]
     result = {"problems": str(args.problems), "n": len(problems), "kv_budget_bytes": args.kv_budget, "runs": runs,
-              "comparison": compare_to_fixed(runs[:-1], runs[-1])}
+              "comparison": compare_to_fixed(fixed, controller_run),
+              "versus_greedy": {"accuracy_gain": round(controller_run["accuracy"] - greedy["accuracy"], 4),
+                                "token_ratio": round(controller_run["tokens_generated"] / max(1, greedy["tokens_generated"]), 4)}}
     if args.plot:
         plot_accuracy_vs_tokens(runs, args.plot, title=f"{args.problems.name}: accuracy against generated tokens")
     if args.json:
