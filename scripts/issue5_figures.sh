@@ -8,7 +8,7 @@ DMS=${DMS:-checkpoints/chain-qwen3-dms}
 BUDGET=${BUDGET:-13.5MB}
 N=${N:-40}
 mkdir -p "$OUT" runs
-.venv/bin/thinkpool calibrate --model "$DMS" --cr 1 2 4 8 --problems "${CAL_PROBLEMS:-6}" --threads 16 \
+.venv/bin/thinkpool calibrate --model "$DMS" --cr 1 2 4 8 --problems "${CAL_PROBLEMS:-8}" --threads 16 \
   --max-new-tokens 1200 --workers 0 --output configs/calibration_chain_dms.json
 .venv/bin/thinkpool generate --n "$N" --k 1-20 --seed 5001 --output runs/controller_k1-20.jsonl
 .venv/bin/thinkpool bench controller --problems runs/controller_k1-20.jsonl --model "$DMS" --kv-budget "$BUDGET" \
