@@ -104,6 +104,7 @@ def main() -> None:
     parser.add_argument("--ratios", type=float, nargs="+", default=[2, 4, 8])
     parser.add_argument("--keep", nargs="+", choices=REGIONS, help="regions a hand-written policy keeps (base model)")
     parser.add_argument("--window", type=int, default=16, help="the hand-written policy's window")
+    parser.add_argument("--model", help="with --keep: the weights that run under the policy (default: the base model)")
     parser.add_argument("--k", type=int, default=18)
     parser.add_argument("--tokens", type=int, default=4000)
     parser.add_argument("--seed", type=int, default=99)
@@ -116,12 +117,14 @@ def main() -> None:
     with torch.no_grad():
         teacher = base(input_ids=batch.input_ids).logits
     if args.keep:
+        student = load_model(args.model)[0] if args.model else base
         keep = torch.tensor([[label in args.keep for label in row] for row in labels], dtype=torch.float32)
-        decisions = base.config.num_key_value_heads
-        gates = nn.ModuleList(FixedGate(keep, decisions) for _ in range(base.config.num_hidden_layers))
-        handle = attach_dms(base, gates, DMSConfig(window=args.window, per_head=True))
-        print(json.dumps(measure(base, handle, batch, teacher, labels, args.window,
-                                 {"policy": "keep " + " ".join(args.keep), "window": args.window, "k": args.k})), flush=True)
+        decisions = student.config.num_key_value_heads
+        gates = nn.ModuleList(FixedGate(keep, decisions) for _ in range(student.config.num_hidden_layers))
+        handle = attach_dms(student, gates, DMSConfig(window=args.window, per_head=True))
+        print(json.dumps(measure(student, handle, batch, teacher, labels, args.window,
+                                 {"policy": "keep " + " ".join(args.keep), "window": args.window, "k": args.k,
+                                  "model": args.model or str(SHIPPED_MODEL)})), flush=True)
         handle.detach()
         return
     model, _ = load_model(args.adapters)
