@@ -56,8 +56,9 @@ def plot_accuracy_vs_tokens(runs: list[dict], path: str | Path, title: str = "ac
     fixed = [r for r in runs if r["method"] not in ("controller", "greedy")]
     axes.scatter([r["tokens_generated"] for r in fixed], [100 * r["accuracy"] for r in fixed], label="fixed (ratio x threads)")
     for run in runs:
+        below = run["method"] == "greedy"  # often on the controller's point: label it underneath
         axes.annotate(run["method"], (run["tokens_generated"], 100 * run["accuracy"]), fontsize=8,
-                      textcoords="offset points", xytext=(4, 4))
+                      textcoords="offset points", xytext=(4, -12 if below else 4))
     for run in runs:
         if run["method"] == "greedy":
             axes.scatter([run["tokens_generated"]], [100 * run["accuracy"]], marker="D", color="tab:gray", label="one greedy thread")
