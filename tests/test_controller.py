@@ -66,6 +66,20 @@ def test_planner_picks_the_most_accurate_fit_and_the_cheapest_among_equals():
         plan(p, 18, 1000, per_thread.get, [1, 4, 8])
 
 
+def test_planner_plans_one_greedy_thread_when_no_vote_is_expected_to_beat_it():
+    p = profile()
+    p.entries += [ProfileEntry(k_min=1, k_max=10, cr=1, threads=1, greedy=True, accuracy=0.975, tokens_per_thread=1000),
+                  ProfileEntry(k_min=11, k_max=20, cr=1, threads=1, greedy=True, accuracy=0.7, tokens_per_thread=2000)]
+    per_thread = {1: 400 * KV_PER_TOKEN, 4: 120 * KV_PER_TOKEN, 8: 60 * KV_PER_TOKEN}
+    easy = plan(p, 3, 10**9, per_thread.get, [1, 4, 8])
+    assert (easy.cr, easy.threads, easy.greedy) == (1, 1, True)  # within a point of the best vote, a quarter of its tokens
+    hard = plan(p, 18, 10**9, per_thread.get, [1, 4, 8])
+    assert (hard.cr, hard.threads, hard.greedy) == (8, 16, False)  # 16 threads at 8x vote 0.8 > greedy 0.7
+    assert p.greedy_accuracy(18, 1) == 0.7 and p.greedy_accuracy(18, 4) is None
+    assert p.accuracy(18, 1, 1) == 0.5  # sampled entries ignore the greedy one
+    assert p.accuracy_with_greedy(18, 1, 5) == 0.7 and p.accuracy_with_greedy(18, 8, 17) == 0.8
+
+
 class ScriptedPool:
     """Workers that answer from a script (sample index -> answer): for the graph's routing only. Every thread
     reports ``min_logprob`` as its least likely token (default: an unsure greedy thread)."""
