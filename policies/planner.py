@@ -4,9 +4,10 @@ A profile (measured by ``thinkpool calibrate``, stored as JSON in ``configs/``) 
 and ratio, the vote accuracy of n sampled threads (n = 1, 2, 4, ...), the accuracy of one greedy thread
 (``greedy`` entries), and the mean tokens per thread. The planner picks, among the configurations whose
 KV reservation fits the task's budget, the most accurate one; among those within ``tolerance`` of it, the
-one that generates the fewest tokens. A greedy thread often beats a vote of a few sampled ones (sampling
-trades each thread's accuracy for diversity), so "one greedy thread" is a plan like any other. Expected
-accuracy per added thread also ranks tasks competing for the same workers.
+one with the fewest threads (so the fewest tokens), then the most accurate. A greedy thread often beats a
+vote of a few sampled ones (sampling trades each thread's accuracy for diversity), so "one greedy thread"
+is a plan like any other. Expected accuracy per added thread also ranks tasks competing for the same
+workers.
 """
 
 from __future__ import annotations
@@ -101,6 +102,8 @@ def plan(profile: CalibrationProfile, k: int | None, kv_budget_bytes: int, threa
         cheapest = min(thread_bytes(cr) for cr in ratios)
         raise ValueError(f"kv_budget: {kv_budget_bytes} bytes cannot hold one thread (the smallest needs {cheapest} bytes)")
     best = max(e.accuracy for e in options)
-    chosen = min((e for e in options if e.accuracy >= best - tolerance), key=lambda e: (e.threads * e.tokens_per_thread, -e.accuracy))
+    # Fewest threads first (a thread costs about the same tokens at any ratio, and its tokens_per_thread is
+    # measured on few problems: comparing those would let noise pick a sampled thread over an equal greedy one).
+    chosen = min((e for e in options if e.accuracy >= best - tolerance), key=lambda e: (e.threads, -e.accuracy, e.tokens_per_thread))
     return Plan(chosen.cr, chosen.threads, chosen.greedy, profile.max_new_tokens, chosen.accuracy,
                 chosen.threads * chosen.tokens_per_thread)
