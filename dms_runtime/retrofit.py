@@ -77,6 +77,9 @@ class RetrofitConfig(BaseModel):
     anchor_rows: bool = True  # full fine-tuning: some rows run without gates, so CR 1 stays the teacher's model
     warmstart_steps: int = Field(0, ge=0)  # gate warm start from far attention (see the module docstring)
     warmstart_lr: float = Field(1e-3, gt=0)
+    # per_head: each head keeps what it reads; per_token: every head keeps what any head reads far later
+    # (on the shipped model most heads attend diffusely, and per-head labels follow that noise).
+    warmstart_labels: Literal["per_head", "per_token"] = "per_head"
     # After the warm start, train only the weights (full fine-tuning) under the warm-started gates' decisions:
     # measured on the shipped model, KL through the straight-through estimator moves the gates away from what
     # the warm start found faster than it improves them.
@@ -179,12 +182,18 @@ def ratio_logits(decisions: list[torch.Tensor], row_ratio: torch.Tensor, lengths
     return stacked[eligible[None, :, None, :].expand_as(stacked)]
 
 
-def far_attention_labels(far: list[torch.Tensor], lengths: torch.Tensor, window: int, fraction: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def far_attention_labels(far: list[torch.Tensor], lengths: torch.Tensor, window: int, fraction: float,
+                         per_token: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Eviction labels ``[layers, B, kv_heads, T]`` (1 = evict), their weights and the mask of keys that left
     the window: the ``fraction`` of those keys that get the least far attention, over all layers and heads
     together, are labelled "evict". A key labelled "keep" weighs its far attention over the threshold
-    (up to 100): losing a key the model reads heavily costs more than losing one near the line."""
+    (up to 100): losing a key the model reads heavily costs more than losing one near the line.
+
+    ``per_token``: a token's score is the most far attention it gets in any layer and head, so every head
+    gets the same label for it: a token is kept everywhere if anything reads it far later."""
     stacked = torch.stack(far)  # [layers, B, kv, T]
+    if per_token:
+        stacked = stacked.amax(dim=(0, 2), keepdim=True).expand_as(stacked)
     eligible = left_window_mask(lengths.to(stacked.device), stacked.shape[-1], window)[None, :, None, :].expand_as(stacked)
     scores = stacked[eligible]
     if not scores.numel():
@@ -226,7 +235,8 @@ def warm_start(model, handle, row_gates: nn.ModuleList, config: RetrofitConfig, 
             rows = row_ratio == index
             if not bool(rows.any()):
                 continue
-            labels, weights, eligible = far_attention_labels([f[rows] for f in far], batch.lengths[rows], config.window, fraction)
+            labels, weights, eligible = far_attention_labels([f[rows] for f in far], batch.lengths[rows], config.window, fraction,
+                                                             per_token=config.warmstart_labels == "per_token")
             logits = torch.stack([d[rows] for d in decisions])
             loss = loss + nn.functional.binary_cross_entropy_with_logits(logits[eligible], labels[eligible], weights[eligible])
             agree = ((logits[eligible] > 0).float() == labels[eligible]).float().mean()

@@ -268,6 +268,11 @@ def test_far_attention_labels_evict_the_least_read_keys_at_the_fraction():
     assert eligible[0, 0, 0].tolist() == [True] * 6 + [False] * 2
     assert labels[0, 0, 0].tolist() == [0, 1, 1, 0, 1, 0, 0, 0]  # the three least-read of six are evicted
     assert weights[0, 0, 0, 3] > weights[0, 0, 0, 0] > 1 and weights[0, 0, 0, 1] == 1
+    # per token: two layers of two heads; a token read by any one head is kept by all four
+    far = [torch.tensor([[[0.9, 0.0, 0.0, 0.0, 0.0], [0.0, 0.0, 0.0, 0.0, 0.0]]]),
+           torch.tensor([[[0.0, 0.0, 0.0, 0.0, 0.0], [0.0, 0.0, 0.8, 0.0, 0.0]]])]
+    labels, _, _ = far_attention_labels(far, torch.tensor([5]), window=1, fraction=0.5, per_token=True)
+    assert all(labels[layer, 0, head].tolist() == [0, 1, 0, 0, 0] for layer in range(2) for head in range(2))  # 3, 4: in the window
 
 
 def test_gate_warm_start_moves_the_gates_to_the_eviction_target(tmp_path):
