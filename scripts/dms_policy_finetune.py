@@ -21,12 +21,12 @@ from torch import nn
 from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from dms_regions import REGIONS, FixedGate, regions  # noqa: E402
+from dms_regions import REGIONS, FixedGate, regions
 
-from dms_runtime.attach import attach_dms  # noqa: E402
-from dms_runtime.chain_data import difficulty_batch  # noqa: E402
-from dms_runtime.config import DMSConfig  # noqa: E402
-from dms_runtime.loading import SHIPPED_MODEL, load_model  # noqa: E402
+from dms_runtime.attach import attach_dms
+from dms_runtime.chain_data import difficulty_batch
+from dms_runtime.config import DMSConfig
+from dms_runtime.loading import SHIPPED_MODEL, load_model
 
 
 def main() -> None:

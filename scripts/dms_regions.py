@@ -60,10 +60,9 @@ def regions(tokenizer, ids: list[int], labels: list[int]) -> list[str]:
 class FixedGate(nn.Module):
     """A gate whose logits are given: +/-50 decides evict/keep for each token (decided one position later)."""
 
-    query_channels: list[int] = []
-
     def __init__(self, keep: torch.Tensor, decisions: int):
         super().__init__()
+        self.query_channels: list[int] = []  # attach_dms's interface: no query channel to zero
         evict = torch.where(keep.bool(), -50.0, 50.0)  # [B, T]: about token t
         shifted = torch.cat([torch.full_like(evict[:, :1], -50.0), evict[:, :-1]], dim=1)  # logit at t+1 decides t
         self.register_buffer("logits", shifted[:, :, None].expand(-1, -1, decisions).contiguous())
