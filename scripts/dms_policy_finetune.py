@@ -33,6 +33,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--keep", nargs="+", choices=REGIONS, required=True)
     parser.add_argument("--window", type=int, default=48)
+    parser.add_argument("--heads", type=int, nargs="+", help="KV heads (of every layer) that keep the regions (default: all)")
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--lr", type=float, default=3e-4)
     parser.add_argument("--tokens", type=int, default=3000, help="tokens per batch")
@@ -49,7 +50,7 @@ def main() -> None:
         batch = difficulty_batch(tokenizer, rng, 1, 20, args.tokens)
         keep = torch.tensor([[label in args.keep for label in regions(tokenizer, ids, labels)]
                              for ids, labels in zip(batch.input_ids.tolist(), batch.labels.tolist())], dtype=torch.float32)
-        handle = attach_dms(model, nn.ModuleList(FixedGate(keep, decisions) for _ in range(layers)),
+        handle = attach_dms(model, nn.ModuleList(FixedGate(keep, decisions, args.heads) for _ in range(layers)),
                             DMSConfig(window=args.window, per_head=True))
         with handle.mode("train"):
             for module in handle.modules:

@@ -58,14 +58,18 @@ def regions(tokenizer, ids: list[int], labels: list[int]) -> list[str]:
 
 
 class FixedGate(nn.Module):
-    """A gate whose logits are given: +/-50 decides evict/keep for each token (decided one position later)."""
+    """A gate whose logits are given: +/-50 decides evict/keep for each token (decided one position later).
+    KV heads outside ``heads`` (default: all) keep nothing once it leaves the window."""
 
-    def __init__(self, keep: torch.Tensor, decisions: int):
+    def __init__(self, keep: torch.Tensor, decisions: int, heads: list[int] | None = None):
         super().__init__()
         self.query_channels: list[int] = []  # attach_dms's interface: no query channel to zero
         evict = torch.where(keep.bool(), -50.0, 50.0)  # [B, T]: about token t
         shifted = torch.cat([torch.full_like(evict[:, :1], -50.0), evict[:, :-1]], dim=1)  # logit at t+1 decides t
-        self.register_buffer("logits", shifted[:, :, None].expand(-1, -1, decisions).contiguous())
+        logits = shifted[:, :, None].repeat(1, 1, decisions)
+        for head in set(range(decisions)) - set(range(decisions) if heads is None else heads):
+            logits[:, 1:, head] = 50.0
+        self.register_buffer("logits", logits)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.logits
@@ -104,6 +108,8 @@ def main() -> None:
     parser.add_argument("--keep", nargs="+", choices=REGIONS, help="regions a hand-written policy keeps (base model)")
     parser.add_argument("--window", type=int, default=16, help="the hand-written policy's window")
     parser.add_argument("--model", help="with --keep: the weights that run under the policy (default: the base model)")
+    parser.add_argument("--heads", type=int, nargs="+", help="with --keep: the KV heads (of every layer) that keep the "
+                        "regions; the others keep only the window (default: all)")
     parser.add_argument("--k", type=int, default=18)
     parser.add_argument("--tokens", type=int, default=4000)
     parser.add_argument("--seed", type=int, default=99)
@@ -119,10 +125,10 @@ def main() -> None:
         student = load_model(args.model)[0] if args.model else base
         keep = torch.tensor([[label in args.keep for label in row] for row in labels], dtype=torch.float32)
         decisions = student.config.num_key_value_heads
-        gates = nn.ModuleList(FixedGate(keep, decisions) for _ in range(student.config.num_hidden_layers))
+        gates = nn.ModuleList(FixedGate(keep, decisions, args.heads) for _ in range(student.config.num_hidden_layers))
         handle = attach_dms(student, gates, DMSConfig(window=args.window, per_head=True))
         print(json.dumps(measure(student, handle, batch, teacher, labels, args.window,
-                                 {"policy": "keep " + " ".join(args.keep), "window": args.window, "k": args.k,
+                                 {"policy": "keep " + " ".join(args.keep), "heads": args.heads or "all", "window": args.window, "k": args.k,
                                   "model": args.model or str(SHIPPED_MODEL)})), flush=True)
         handle.detach()
         return
