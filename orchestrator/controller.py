@@ -99,13 +99,15 @@ class ChunkState(TypedDict):
 
 class Controller:
     def __init__(self, pool, profile: CalibrationProfile, tokenizer, kv_bytes_per_token: int, ratios: list[float],
-                 temperature: float = 0.8, first_round: int = 4, threshold: float = 0.95, weighting: str = "majority",
+                 temperature: float | None = None, first_round: int = 4, threshold: float = 0.95, weighting: str = "majority",
                  greedy_first: bool = True, confident_logprob: float = -0.5, min_gain: float = 0.02,
                  checkpointer=None, on_chunk=None, allocator: ThreadAllocator | None = None):
         self.pool, self.profile, self.tokenizer = pool, profile, tokenizer
         self.kv_bytes_per_token = kv_bytes_per_token
         self.ratios = sorted(ratios)
-        self.temperature, self.first_round, self.threshold, self.weighting = temperature, first_round, threshold, weighting
+        # Sampled threads run at the profile's temperature unless told otherwise: its accuracies hold only there.
+        self.temperature = profile.temperature if temperature is None else temperature
+        self.first_round, self.threshold, self.weighting = first_round, threshold, weighting
         # -0.5: on 60 fresh k=1..20 problems (seed 7001, the shipped DMS model at CR 1), the greedy threads whose
         # every token had log-probability >= -0.5 (28 of 60) were 96% right; the other 32, 75%.
         self.greedy_first, self.confident_logprob = greedy_first, confident_logprob

@@ -37,7 +37,7 @@ class SolveService:
             # Concurrent solves share the workers' KV memory; rounds wait for it by expected gain per byte.
             capacity = self.info["kv_budget_bytes"] * max(1, self.info["workers"])
             self.controller = Controller(pool, self.profile, tokenizer, self.info["geometry"]["kv_bytes_per_token"], ratios,
-                                         temperature=self.settings.sampling.temperature, checkpointer=checkpointer,
+                                         checkpointer=checkpointer,
                                          on_chunk=self._chunk_done, allocator=ThreadAllocator(capacity))
         self._listeners: dict[str, object] = {}  # job id -> on_event(name, data)
 

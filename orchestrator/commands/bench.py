@@ -79,7 +79,7 @@ def cmd_bench_controller(args, parser) -> int:
     model_dir = args.model or default_model_path()
     check_adapters([cr for cr, _ in args.fixed], model_dir, parser, "--fixed")
     pool = make_pool(model_dir, args.kv_budget, args.workers)
-    controller, budget = make_controller(args, parser, problems, model_dir, pool, args.temperature)
+    controller, budget = make_controller(args, parser, problems, model_dir, pool)
     runs = []
     # The fixed configurations vote sampled threads; one greedy thread per problem runs beside them as a
     # reference (the controller opens with one), compared separately.

@@ -89,7 +89,7 @@ def cmd_eval(args, parser) -> int:
     return 0
 
 
-def make_controller(args, parser, problems: list[dict], model_dir, pool, temperature: float):
+def make_controller(args, parser, problems: list[dict], model_dir, pool):
     """The controller and the per-problem budget of ``--kv-budget/--profile/--max-threads``, checked before any
     work (callers make sure ``--kv-budget`` is given)."""
     from transformers import AutoTokenizer
@@ -113,7 +113,7 @@ def make_controller(args, parser, problems: list[dict], model_dir, pool, tempera
     except ValueError as error:
         pool.shutdown()
         parser.error(f"argument --kv-budget: {error}")
-    controller = Controller(pool, profile, tokenizer, info["geometry"]["kv_bytes_per_token"], ratios, temperature=temperature)
+    controller = Controller(pool, profile, tokenizer, info["geometry"]["kv_bytes_per_token"], ratios)
     return controller, budget
 
 
@@ -132,12 +132,12 @@ def eval_controller(args, parser, problems: list[dict], model_dir, options) -> i
     if args.kv_budget is None:
         parser.error("argument --controller: needs --kv-budget (the memory each problem's threads may hold)")
     pool = make_pool(model_dir, args.kv_budget, args.workers)
-    controller, budget = make_controller(args, parser, problems, model_dir, pool, options.temperature)
+    controller, budget = make_controller(args, parser, problems, model_dir, pool)
     report = asyncio.run(run_controller(problems, pool, controller, budget, options.seed))
     pool.shutdown()
     records = report.pop("problems")
     report["config"] = {"model": str(model_dir), "profile": str(args.profile), "max_threads": args.max_threads,
-                        "temperature": options.temperature, "seed": options.seed}
+                        "temperature": controller.temperature, "seed": options.seed}
     if args.output:
         from tasks.jsonl import write_jsonl
 
