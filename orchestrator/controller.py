@@ -75,7 +75,6 @@ class SolveState(TypedDict, total=False):
     round_size: int
     next_sample: int
     round_samples: list[int]
-    round_greedy: bool
     plan_greedy: bool
     round_priority: float
     threads: Annotated[list[dict], operator.add]
@@ -160,9 +159,13 @@ class Controller:
         gain = (self.expected_accuracy(state["k"], state["cr"], used + len(samples))
                 - self.expected_accuracy(state["k"], state["cr"], used))
         cost = len(samples) * self.thread_bytes(state["cr"], state["prompt_tokens"], state["max_new_tokens"])
-        greedy = self.greedy_first and samples[0] == 0
-        return {"round_samples": samples, "next_sample": samples[-1] + 1, "round_priority": gain / cost, "round_greedy": greedy,
+        greedy = self.greedy_round(samples)
+        return {"round_samples": samples, "next_sample": samples[-1] + 1, "round_priority": gain / cost,
                 "rounds": [{"event": "round", "cr": state["cr"], "threads": len(samples), "greedy": greedy}]}
+
+    def greedy_round(self, samples: list[int]) -> bool:
+        """Whether a round is the greedy first thread: sample 0, when the controller opens with one."""
+        return self.greedy_first and samples[0] == 0
 
     def fan_out(self, state: SolveState) -> list[Send]:
         samples = state["round_samples"]
@@ -170,7 +173,7 @@ class Controller:
         return [
             Send("run_chunk", ChunkState(task_id=state["task_id"], prompt=state["prompt"], seed=state["seed"], cr=state["cr"],
                                          max_new_tokens=state["max_new_tokens"], samples=samples[i : i + CHUNK],
-                                         temperature=0.0 if state.get("round_greedy") else self.temperature,
+                                         temperature=0.0 if self.greedy_round(samples) else self.temperature,
                                          kv_bytes=len(samples[i : i + CHUNK]) * per_thread,
                                          priority=state.get("round_priority", 0.0)))
             for i in range(0, len(samples), CHUNK)
@@ -179,7 +182,7 @@ class Controller:
     async def run_chunk(self, chunk: ChunkState) -> dict:
         request = ProblemRequest(
             f"{chunk['task_id']}:{chunk['samples'][0]}", format_prompt(chunk["prompt"]), tuple(chunk["samples"]),
-            SamplingParams(chunk.get("temperature", self.temperature), 1.0, chunk["max_new_tokens"], chunk["seed"]), chunk["cr"],
+            SamplingParams(chunk["temperature"], 1.0, chunk["max_new_tokens"], chunk["seed"]), chunk["cr"],
         )
         if self.allocator is None:
             results = await self.pool.collect(request)
@@ -190,7 +193,8 @@ class Controller:
             self.on_chunk(chunk["task_id"], chunk["samples"])
         return {"threads": [
             {"sample": r.sample_index, "answer": r.answer, "tokens": r.tokens, "mean_logprob": r.mean_logprob,
-             "min_logprob": r.min_logprob,             "realized_cr": r.realized_cr, "kv_cr": r.kv_cr, "cr": r.cr, "finish_reason": r.finish_reason} for r in results
+             "min_logprob": r.min_logprob,
+             "realized_cr": r.realized_cr, "kv_cr": r.kv_cr, "cr": r.cr, "finish_reason": r.finish_reason} for r in results
         ]}
 
     def aggregate(self, state: SolveState) -> dict:
@@ -204,7 +208,8 @@ class Controller:
 
     def decide(self, state: SolveState) -> dict:
         used = len(state["threads"])
-        if state.get("round_greedy"):
+        greedy_round = self.greedy_round(state["round_samples"])
+        if greedy_round:
             if state.get("plan_greedy"):
                 return {"stop_reason": "planned"}
             if state["threads"][0].get("min_logprob", -float("inf")) >= self.confident_logprob:
@@ -214,7 +219,7 @@ class Controller:
         if used >= state["max_threads"]:
             return {"stop_reason": "budget"}
         if state["next_sample"] < state["target_threads"]:
-            grown = self.first_round if state.get("round_greedy") else state["round_size"] * 2
+            grown = self.first_round if greedy_round else state["round_size"] * 2
             size = min(grown, state["target_threads"] - state["next_sample"])
             return {"round_size": size, "rounds": [{"event": "escalate", "more_threads": size}]}
         if len(state["votes"]) == 1:  # the plan is done and its threads agree: what the profile expected

@@ -26,6 +26,7 @@ from dms_runtime.attach import attach_dms
 from dms_runtime.chain_data import IGNORE, difficulty_batch
 from dms_runtime.config import DMSConfig
 from dms_runtime.loading import SHIPPED_MODEL, load_model
+from dms_runtime.retrofit import left_window_mask
 
 REGIONS = ("prompt", "line_var", "header", "header_y", "header_op", "header_z", "operands", "facts", "register",
            "newline", "answer")
@@ -91,11 +92,9 @@ def measure(model, handle, batch, teacher: torch.Tensor, labels: list[list[str]]
             if batch.labels[row, pos] != IGNORE:
                 by_region[row_labels[pos]][0] += 1
                 by_region[row_labels[pos]][1] += int(agree[row, pos - 1])
-    held = processed = 0.0
-    for row, length in enumerate(batch.lengths.tolist()):
-        old = max(0, length - window - 1)  # tokens that have left the window at the end
-        held += (length - alphas[:, row, :, :old].sum(-1)).sum().item()
-        processed += length * alphas.shape[0] * alphas.shape[2]
+    old = left_window_mask(batch.lengths, alphas.shape[-1], window)  # [B, T]: what eviction can free by the end
+    processed = batch.lengths.sum().item() * alphas.shape[0] * alphas.shape[2]  # token x layer x KV head
+    held = processed - (alphas * old[None, :, None, :]).sum().item()
     return {**setting, "kl": round((t.exp() * (t - s)).sum(-1).mean().item(), 4),
             "agreement": round(agree[mask].float().mean().item(), 4), "memory_ratio": round(processed / held, 2),
             "agreement_by_region": {r: round(v[1] / v[0], 3) for r, v in sorted(by_region.items())}}
