@@ -1,4 +1,4 @@
-"""Training batches from the chain task: prompt + reference chain of thought + EOS."""
+"""Training batches from the chain task: prompt + reference chain of thought + EOS, and the role of each token."""
 
 from __future__ import annotations
 
@@ -60,3 +60,46 @@ def sample_lengths(tokenizer, k_min: int, k_max: int, n: int = 2000, seed: int =
     """Lengths of ``n`` examples with k uniform in ``k_min..k_max`` (the population a ratio is averaged over)."""
     rng = random.Random(seed)
     return [len(encode_example(tokenizer, generate_problem(rng, rng.randint(k_min, k_max)))[0]) for _ in range(n)]
+
+
+# The regions of a chain-task example, by what a token is for (the line formats are in ``tasks/cot.py``).
+REGIONS = ("prompt", "line_var", "header", "header_y", "header_op", "header_z", "operands", "facts", "register",
+           "newline", "answer")
+# Where the values live that are read long after they are written: the problem itself and the register lines.
+# Everything else is scratch, dead a few tokens after it is written.
+LONG_LIVED = ("prompt", "register")
+
+
+def token_regions(tokenizer, ids: list[int], labels: list[int]) -> list[str]:
+    """The region of every token of one example (prompt positions carry the label ``IGNORE``)."""
+    out, line = [], ""
+    for token, label in zip(ids, labels):
+        char = tokenizer.decode([token])
+        if label == IGNORE:
+            out.append("prompt")
+            continue
+        if char == "\n":
+            out.append("newline")
+            line = ""
+            continue
+        line += char
+        if line.startswith("#"):
+            out.append("answer")
+        elif "|" in line:
+            out.append("facts" if line.count("|") == 2 and char != "|" else "operands")  # "|a:07+b:42|" are operands
+        elif len(line) == 1:
+            out.append("line_var")
+        elif line[1] == ":":
+            out.append("register")
+        else:
+            out.append({3: "header_y", 4: "header_op", 5: "header_z"}.get(len(line), "header"))
+    return out
+
+
+def long_lived_mask(tokenizer, batch: Batch) -> torch.Tensor:
+    """``[n, L]`` bool: the tokens of ``LONG_LIVED`` regions (padding is not)."""
+    mask = torch.zeros_like(batch.input_ids, dtype=torch.bool)
+    for row, length in enumerate(batch.lengths.tolist()):
+        found = token_regions(tokenizer, batch.input_ids[row, :length].tolist(), batch.labels[row, :length].tolist())
+        mask[row, :length] = torch.tensor([region in LONG_LIVED for region in found])
+    return mask

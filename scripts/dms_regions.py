@@ -23,40 +23,10 @@ from torch import nn
 
 from dms_runtime.adapters import adapter_path, load_gates
 from dms_runtime.attach import attach_dms
-from dms_runtime.chain_data import IGNORE, difficulty_batch
+from dms_runtime.chain_data import IGNORE, REGIONS, difficulty_batch, token_regions as regions
 from dms_runtime.config import DMSConfig
 from dms_runtime.loading import SHIPPED_MODEL, load_model
 from dms_runtime.retrofit import left_window_mask
-
-REGIONS = ("prompt", "line_var", "header", "header_y", "header_op", "header_z", "operands", "facts", "register",
-           "newline", "answer")
-
-
-def regions(tokenizer, ids: list[int], labels: list[int]) -> list[str]:
-    """The region of every token of one example (the line formats are in ``tasks/cot.py``)."""
-    out, line = [], ""
-    for token, label in zip(ids, labels):
-        char = tokenizer.decode([token])
-        if label == IGNORE:
-            out.append("prompt")
-            continue
-        if char == "\n":
-            out.append("newline")
-            line = ""
-            continue
-        line += char
-        if line.startswith("#"):
-            out.append("answer")
-        elif "|" in line:
-            out.append("facts" if line.count("|") == 2 and char != "|" else "operands")  # "|a:07+b:42|" are operands
-        elif len(line) == 1:
-            out.append("line_var")
-        elif line[1] == ":":
-            out.append("register")
-        else:
-            out.append({3: "header_y", 4: "header_op", 5: "header_z"}.get(len(line), "header"))
-    return out
-
 
 class FixedGate(nn.Module):
     """A gate whose logits are given: +/-50 decides evict/keep for each token (decided one position later).

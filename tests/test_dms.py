@@ -58,6 +58,8 @@ def test_schedule_ramps_every_ratio_linearly_then_holds():
     assert [target_ratio(5, r, config) for r in (2, 4, 8)] == [1.5, 2.5, 4.5]
     assert [target_ratio(12, r, config) for r in (2, 4, 8)] == [2.0, 4.0, 8.0]
     assert config.total_steps == 15
+    warm_started = RetrofitConfig(ratios=[2, 4, 8], ramp_steps=10, hold_steps=5, warmstart_steps=3)
+    assert [target_ratio(0, r, warm_started) for r in (2, 4, 8)] == [2.0, 4.0, 8.0]  # the warm start set them
 
 
 @pytest.mark.parametrize("kind", MODELS)
@@ -273,6 +275,39 @@ def test_far_attention_labels_evict_the_least_read_keys_at_the_fraction():
            torch.tensor([[[0.0, 0.0, 0.0, 0.0, 0.0], [0.0, 0.0, 0.8, 0.0, 0.0]]])]
     labels, _, _ = far_attention_labels(far, torch.tensor([5]), window=1, fraction=0.5, per_token=True)
     assert all(labels[layer, 0, head].tolist() == [0, 1, 0, 0, 0] for layer in range(2) for head in range(2))  # 3, 4: in the window
+
+
+def test_token_regions_find_the_long_lived_values_of_a_chain_of_thought():
+    from dms_runtime.chain_data import IGNORE, token_regions
+    from dms_runtime.tokenizer import build_tokenizer
+
+    tokenizer = build_tokenizer()
+    prompt, cot = "a=7;?a", "a:07\nc=a+b|a:07+b:42|7+2=09\nc:49\n#49"
+    ids = tokenizer(prompt + cot, add_special_tokens=False)["input_ids"]
+    assert len(ids) == len(prompt + cot)  # one character per token, so regions line up with characters
+    found = token_regions(tokenizer, ids, [IGNORE] * len(prompt) + ids[len(prompt):])
+    by_char = list(zip(prompt + cot, found))
+    assert all(region == "prompt" for _, region in by_char[: len(prompt)])
+    assert [c for c, region in by_char if region == "register"] == list(":07:49")
+    assert [c for c, region in by_char if region == "facts"] == list("7+2=09")
+    assert [c for c, region in by_char if region == "answer"] == list("#49")
+
+
+def test_role_scores_rank_long_lived_tokens_by_head_then_everything_by_far_attention():
+    from dms_runtime.retrofit import far_attention_labels, role_scores
+
+    far = [torch.tensor([[[0.3, 0.0, 0.2, 0.1, 0.0, 0.0], [0.0, 0.4, 0.0, 0.0, 0.0, 0.0]]])]  # [B=1, kv=2, T=6]
+    long_lived = torch.tensor([[False, True, False, True, False, False]])
+    first, scores = (layer[0] for layer in role_scores([far[0], far[0]], long_lived))
+    assert torch.equal(first, far[0][0])  # the first layer's gates cannot see roles: no bonus there
+    assert scores[0].tolist() == pytest.approx([0.3, 3.0, 0.2, 3.1, 0.0, 0.0])  # head 0: bonus 1 + 2 - 0
+    assert scores[1].tolist() == pytest.approx([0.0, 2.4, 0.0, 2.0, 0.0, 0.0])  # head 1: bonus 1 + 2 - 1
+    # window 1, length 6: keys 0..3 can be evicted (8 key-head pairs). Half: all scratch goes, long-lived stays.
+    labels, _, _ = far_attention_labels([scores[None]], torch.tensor([6]), window=1, fraction=0.5)
+    assert labels[0, 0].tolist() == [[1, 0, 1, 0, 0, 0], [1, 0, 1, 0, 0, 0]]
+    # three quarters: head 1 gives up its long-lived tokens too, head 0 keeps them
+    labels, _, _ = far_attention_labels([scores[None]], torch.tensor([6]), window=1, fraction=0.75)
+    assert labels[0, 0].tolist() == [[1, 0, 1, 0, 0, 0], [1, 1, 1, 1, 0, 0]]
 
 
 def test_gate_warm_start_moves_the_gates_to_the_eviction_target(tmp_path):
