@@ -86,6 +86,11 @@ class RetrofitConfig(BaseModel):
     # measured on the shipped model, KL through the straight-through estimator moves the gates away from what
     # the warm start found faster than it improves them.
     freeze_gates: bool = False
+    # Keep the warm start's objective during training, at this weight: its labels (from the frozen teacher,
+    # run in probe mode) stay fixed while the weights move, so the gates' decisions cannot drift with the
+    # hidden states they read; with full fine-tuning its gradient also reaches the weights, which learn to
+    # make the labels readable at write time. Decisions are then deterministic (no gate noise).
+    gate_supervision: float = Field(0.0, ge=0)
     seed: int = 0
     device: str = "auto"  # auto = cuda when available (weights in bf16 there), else cpu
     checkpoint_every: int = Field(25, gt=0)
@@ -94,6 +99,10 @@ class RetrofitConfig(BaseModel):
     def _something_to_train(self) -> "RetrofitConfig":
         if self.freeze_gates and not self.full_finetune:
             raise ValueError("freeze_gates needs full_finetune: with frozen gates and frozen weights nothing trains")
+        if self.gate_supervision and not self.warmstart_steps:
+            raise ValueError("gate_supervision keeps the warm start's labels: it needs warmstart_steps > 0")
+        if self.gate_supervision and self.freeze_gates:
+            raise ValueError("gate_supervision trains the gates: it cannot be combined with freeze_gates")
         return self
 
     @field_validator("ratios")
@@ -130,10 +139,7 @@ def resolve_device(device: str) -> str:
 
 def target_ratio(step: int, final: float, config: RetrofitConfig) -> float:
     """The target compression of an adapter named ``final`` at ``step``: a linear ramp from 1, then a hold.
-    After a gate warm start there is no ramp: the warm start already set every ratio to its final target,
-    and ramping from 1 would undo it."""
-    if config.warmstart_steps:
-        return final
+    (After a gate warm start, training holds what the warm start labelled instead: see ``retrofit``.)"""
     return 1.0 + (final - 1.0) * min(1.0, step / config.ramp_steps)
 
 
@@ -189,14 +195,19 @@ def ratio_logits(decisions: list[torch.Tensor], row_ratio: torch.Tensor, lengths
 
 
 def far_attention_labels(far: list[torch.Tensor], lengths: torch.Tensor, window: int, fraction: float,
-                         per_token: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                         per_token: bool = False, whole_bands: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Eviction labels ``[layers, B, kv_heads, T]`` (1 = evict), their weights and the mask of keys that left
     the window: the ``fraction`` of those keys that get the least far attention, over all layers and heads
     together, are labelled "evict". A key labelled "keep" weighs its far attention over the threshold
     (up to 100): losing a key the model reads heavily costs more than losing one near the line.
 
     ``per_token``: a token's score is the most far attention it gets in any layer and head, so every head
-    gets the same label for it: a token is kept everywhere if anything reads it far later."""
+    gets the same label for it: a token is kept everywhere if anything reads it far later.
+
+    ``whole_bands`` (for :func:`role_scores`, whose long-lived tokens score in bands of width 1 above 1): a
+    threshold that falls inside a band moves down to the band's floor, so each head's long-lived tokens
+    are kept or evicted whole. A gate knows a token's role when it is written, not which long-lived tokens
+    will be read least; the ratio then comes out below its target rather than the labels unlearnable."""
     stacked = torch.stack(far)  # [layers, B, kv, T]
     if per_token:
         stacked = stacked.amax(dim=(0, 2), keepdim=True).expand_as(stacked)
@@ -205,6 +216,8 @@ def far_attention_labels(far: list[torch.Tensor], lengths: torch.Tensor, window:
     if not scores.numel():
         return torch.zeros_like(stacked), torch.ones_like(stacked), eligible
     threshold = sampled_quantile(scores, fraction).clamp(min=1e-6)
+    if whole_bands and threshold >= 1:
+        threshold = threshold.floor()
     weights = (stacked / threshold).clamp(1.0, 100.0)
     return ((stacked < threshold) & eligible).float(), weights, eligible
 
@@ -241,36 +254,52 @@ def probe_pass(model, handle, row_gates: nn.ModuleList, batch, ratios: int) -> t
     return row_ratio, far, decisions
 
 
-def warm_start(model, handle, row_gates: nn.ModuleList, config: RetrofitConfig, tokenizer, lengths: list[int], quiet: bool) -> None:
-    """Teach every ratio's gates to evict what the frozen model attends to least from beyond the window."""
-    ratios = len(config.ratios)
+def gate_label_loss(config: RetrofitConfig, tokenizer, batch, far: list[torch.Tensor], decisions: list[torch.Tensor],
+                    row_ratio: torch.Tensor, fractions: list[float],
+                    labelled: list[list[float]] | None = None) -> tuple[torch.Tensor, dict[str, str]]:
+    """The warm start's objective on one batch: binary cross-entropy of every ratio's decision logits (its
+    rows) against its far-attention (or role) labels, and each ratio's agreement with them. ``labelled``
+    accumulates, per ratio, the evicted and eligible counts of the labels."""
+    if config.warmstart_labels == "cot_roles":
+        far = role_scores(far, long_lived_mask(tokenizer, batch))
+    loss = torch.zeros((), device=decisions[0].device)
+    shown = {}
+    for index, (final, fraction) in enumerate(zip(config.ratios, fractions)):
+        rows = (row_ratio == index).to(far[0].device)
+        if not bool(rows.any()):
+            continue
+        labels, weights, eligible = far_attention_labels([f[rows] for f in far], batch.lengths[rows.cpu()], config.window, fraction,
+                                                         per_token=config.warmstart_labels == "per_token",
+                                                         whole_bands=config.warmstart_labels == "cot_roles")
+        if labelled is not None:
+            labelled[index][0] += labels[eligible].sum().item()
+            labelled[index][1] += eligible.sum().item()
+        logits = torch.stack([d[rows.to(d.device)] for d in decisions])
+        loss = loss + nn.functional.binary_cross_entropy_with_logits(logits[eligible], labels[eligible], weights[eligible])
+        shown[f"{final:g}x"] = f"{((logits[eligible] > 0).float() == labels[eligible]).float().mean().item():.2f}"
+    return loss, shown
+
+
+def warm_start(model, handle, row_gates: nn.ModuleList, config: RetrofitConfig, tokenizer, lengths: list[int],
+               quiet: bool) -> list[float]:
+    """Teach every ratio's gates to evict what the frozen model attends to least from beyond the window;
+    returns each ratio's eviction fraction as labelled (its target, or less where bands were kept whole)."""
     fractions = [eviction_target(ratio, config.window, lengths) for ratio in config.ratios]
+    labelled = [[0.0, 0.0] for _ in config.ratios]  # evicted, eligible: over the whole warm start
     optimizer = torch.optim.AdamW(row_gates.parameters(), lr=config.warmstart_lr, weight_decay=0.0)
-    device = next(model.parameters()).device
     bar = tqdm(range(config.warmstart_steps), desc="gate warm start", disable=quiet)
     for step in bar:
         batch = difficulty_batch(tokenizer, random.Random(config.seed * 1_000_003 + 7_919 * (step + 1)), config.k_min,
                                  config.k_max, config.tokens_per_batch)
-        row_ratio, far, decisions = probe_pass(model, handle, row_gates, batch, ratios)
-        if config.warmstart_labels == "cot_roles":
-            far = role_scores(far, long_lived_mask(tokenizer, batch))
-        loss = torch.zeros((), device=device)
-        shown = {}
-        for index, (final, fraction) in enumerate(zip(config.ratios, fractions)):
-            rows = row_ratio == index
-            if not bool(rows.any()):
-                continue
-            labels, weights, eligible = far_attention_labels([f[rows] for f in far], batch.lengths[rows], config.window, fraction,
-                                                             per_token=config.warmstart_labels == "per_token")
-            logits = torch.stack([d[rows] for d in decisions])
-            loss = loss + nn.functional.binary_cross_entropy_with_logits(logits[eligible], labels[eligible], weights[eligible])
-            agree = ((logits[eligible] > 0).float() == labels[eligible]).float().mean()
-            shown[f"{final:g}x"] = f"{agree.item():.2f}"
+        row_ratio, far, decisions = probe_pass(model, handle, row_gates, batch, len(config.ratios))
+        loss, shown = gate_label_loss(config, tokenizer, batch, far, decisions, row_ratio, fractions, labelled)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         optimizer.step()
         bar.set_postfix(bce=f"{loss.item():.3f}", label_agreement=shown)
+    fractions = [evicted / max(1.0, eligible) for evicted, eligible in labelled]
     calibrate_offsets(model, handle, row_gates, config, tokenizer, fractions)
+    return fractions
 
 
 @torch.no_grad()
@@ -294,9 +323,11 @@ def calibrate_offsets(model, handle, row_gates: nn.ModuleList, config: RetrofitC
 
 
 def track_offsets(per_ratio: list[nn.ModuleList], decisions: list[torch.Tensor], row_ratio: torch.Tensor,
-                  lengths: torch.Tensor, window: int, fractions: list[float], damping: float = 0.5) -> None:
+                  lengths: torch.Tensor, window: int, fractions: list[float], damping: float = 0.1) -> None:
     """Frozen gates: move each ratio's logit offset towards the one that would have evicted exactly its target
-    fraction of this batch (its rows, under the current weights), so ratios stay on target as weights change."""
+    fraction of this batch (its rows, under the current weights), so ratios stay on target as weights change.
+    Slowly: a batch has one difficulty, and what a ratio evicts varies with it (the share of long-lived
+    tokens does), so the offset follows the weights' drift over many batches rather than chasing each one."""
     for r, (gates, fraction) in enumerate(zip(per_ratio, fractions)):
         values = ratio_logits(decisions, row_ratio, lengths, window, r)
         if values.numel():
@@ -344,7 +375,8 @@ def retrofit(config: RetrofitConfig, steps: int | None = None, quiet: bool = Fal
     handle = attach_dms(model, row_gates, dms)
     for module in handle.modules:
         module.dms.temperature = config.temperature
-        module.dms.noise = not config.freeze_gates  # frozen gates: train under the decisions inference will make
+        # frozen or supervised gates: train under the decisions inference will make
+        module.dms.noise = not (config.freeze_gates or config.gate_supervision)
     groups = [] if config.freeze_gates else [{"params": list(row_gates.parameters()), "lr": config.lr}]
     if config.full_finetune:
         for parameter in model.parameters():
@@ -352,13 +384,18 @@ def retrofit(config: RetrofitConfig, steps: int | None = None, quiet: bool = Fal
         groups.append({"params": list(model.parameters()), "lr": config.finetune_lr})
     trainable = [p for group in groups for p in group["params"]]
     optimizer = torch.optim.AdamW(groups, weight_decay=0.0, betas=(0.9, 0.98))
+    supervised = config.gate_supervision > 0
+    # The teacher also labels the gates each step (probe mode: vanilla outputs plus far attention).
+    teacher_handle = (attach_dms(teacher, build_gates(teacher, dms), dms) if teacher is not model else handle) if supervised else None
     state_path = out_dir / f"retrofit_state-{dms.parametrization}-w{dms.window}.pt"
     start = 0
+    warm_fractions: list[float] | None = None  # what the warm start labelled: training then holds it
     if state_path.exists():
         state = torch.load(state_path, weights_only=False, map_location=device)
         row_gates.load_state_dict(state["gates"])
         if "offsets" in state:
             set_offsets(per_ratio, state["offsets"])
+        warm_fractions = state.get("fractions")
         optimizer.load_state_dict(state["optimizer"])
         if config.full_finetune:
             model.load_state_dict(state["model"])
@@ -366,7 +403,7 @@ def retrofit(config: RetrofitConfig, steps: int | None = None, quiet: bool = Fal
     end = min(config.total_steps, start + steps) if steps is not None else config.total_steps
     lengths = sample_lengths(tokenizer, config.k_min, config.k_max)
     if start == 0 and config.warmstart_steps:
-        warm_start(model, handle, row_gates, config, tokenizer, lengths, quiet)
+        warm_fractions = warm_start(model, handle, row_gates, config, tokenizer, lengths, quiet)
     if config.freeze_gates:
         row_gates.requires_grad_(False)
     ratios = len(config.ratios)
@@ -376,7 +413,7 @@ def retrofit(config: RetrofitConfig, steps: int | None = None, quiet: bool = Fal
     kl = torch.zeros(())
     for step in bar:
         targets = [target_ratio(step, final, config) for final in config.ratios]
-        fraction_targets = [eviction_target(t, dms.window, lengths) for t in targets]
+        fraction_targets = warm_fractions or [eviction_target(t, dms.window, lengths) for t in targets]
         batch = difficulty_batch(tokenizer, random.Random(config.seed * 1_000_003 + step), config.k_min, config.k_max,
                                  config.tokens_per_batch)
         input_ids = batch.input_ids.to(device)
@@ -384,8 +421,10 @@ def retrofit(config: RetrofitConfig, steps: int | None = None, quiet: bool = Fal
         row_ratio = torch.arange(len(input_ids)) % groups - (1 if anchors else 0)  # -1: an anchor row
         for gates in row_gates:
             gates.row_ratio = row_ratio
-        with torch.no_grad(), torch.autocast(device, dtype=torch.bfloat16), handle.mode("off"):
+        with torch.no_grad(), torch.autocast(device, dtype=torch.bfloat16), \
+                (teacher_handle.mode("probe") if supervised else handle.mode("off")):
             teacher_logits = teacher(input_ids=input_ids, use_cache=False).logits
+            far = teacher_handle.far_attentions() if supervised else []
         handle.set_mode("train")
         with torch.autocast(device, dtype=torch.bfloat16):
             student_logits = model(input_ids=input_ids, use_cache=False).logits
@@ -408,6 +447,12 @@ def retrofit(config: RetrofitConfig, steps: int | None = None, quiet: bool = Fal
             compression = compression + (shortfall.abs() if config.compression_loss == "two_sided" else torch.relu(shortfall))
             shown[f"{final:g}x"] = f"{fraction.item():.2f}/{fraction_target:.2f}"
         loss = kl + config.compression_weight * compression
+        if supervised:
+            decisions = [shifted_decisions(module.dms.logits.float()) for module in handle.modules]
+            label_fractions = [eviction_target(final, dms.window, lengths) for final in config.ratios]  # as in the warm start
+            bce, agreement = gate_label_loss(config, tokenizer, batch, far, decisions, row_ratio, label_fractions)
+            loss = loss + config.gate_supervision * bce
+            shown["labels"] = agreement
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(trainable, 1.0)
@@ -417,7 +462,7 @@ def retrofit(config: RetrofitConfig, steps: int | None = None, quiet: bool = Fal
                         s_per_step=f"{(time.perf_counter() - began) / (step - start + 1):.1f}")
         if (step + 1) % config.checkpoint_every == 0 or step + 1 == end:
             state = {"gates": row_gates.state_dict(), "optimizer": optimizer.state_dict(), "step": step + 1,
-                     "offsets": [gates[0].config.init_offset for gates in per_ratio]}
+                     "offsets": [gates[0].config.init_offset for gates in per_ratio], "fractions": warm_fractions}
             if config.full_finetune:
                 state["model"] = model.state_dict()
             torch.save(state, state_path)
@@ -433,6 +478,8 @@ def retrofit(config: RetrofitConfig, steps: int | None = None, quiet: bool = Fal
                        "base_model": config.model, "ratios_trained_together": config.ratios},
             ))
     handle.detach()
+    if teacher_handle is not None and teacher_handle is not handle:
+        teacher_handle.detach()
     return written
 
 

@@ -58,8 +58,6 @@ def test_schedule_ramps_every_ratio_linearly_then_holds():
     assert [target_ratio(5, r, config) for r in (2, 4, 8)] == [1.5, 2.5, 4.5]
     assert [target_ratio(12, r, config) for r in (2, 4, 8)] == [2.0, 4.0, 8.0]
     assert config.total_steps == 15
-    warm_started = RetrofitConfig(ratios=[2, 4, 8], ramp_steps=10, hold_steps=5, warmstart_steps=3)
-    assert [target_ratio(0, r, warm_started) for r in (2, 4, 8)] == [2.0, 4.0, 8.0]  # the warm start set them
 
 
 @pytest.mark.parametrize("kind", MODELS)
@@ -308,6 +306,11 @@ def test_role_scores_rank_long_lived_tokens_by_head_then_everything_by_far_atten
     # three quarters: head 1 gives up its long-lived tokens too, head 0 keeps them
     labels, _, _ = far_attention_labels([scores[None]], torch.tensor([6]), window=1, fraction=0.75)
     assert labels[0, 0].tolist() == [[1, 0, 1, 0, 0, 0], [1, 1, 1, 1, 0, 0]]
+    # five eighths falls inside head 1's band (token 3 would go, token 1 stay): whole bands keep both
+    labels, _, _ = far_attention_labels([scores[None]], torch.tensor([6]), window=1, fraction=0.625)
+    assert labels[0, 0, 1].tolist() == [1, 0, 1, 1, 0, 0]
+    labels, _, _ = far_attention_labels([scores[None]], torch.tensor([6]), window=1, fraction=0.625, whole_bands=True)
+    assert labels[0, 0].tolist() == [[1, 0, 1, 0, 0, 0], [1, 0, 1, 0, 0, 0]]
 
 
 def test_gate_warm_start_moves_the_gates_to_the_eviction_target(tmp_path):
