@@ -6,7 +6,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=docs/results
 N=${N:-200}
-N_FAR=${N_FAR:-60}
+N_FAR=${N_FAR:-40}
 DMS=checkpoints/chain-qwen3-dms
 mkdir -p "$OUT" runs
 .venv/bin/thinkpool generate --n "$N" --k 1-20 --seed 2001 --output runs/dms_k1-20.jsonl

@@ -347,3 +347,38 @@ def test_gate_warm_start_moves_the_gates_to_the_eviction_target(tmp_path):
 def test_frozen_gates_need_full_finetuning():
     with pytest.raises(ValueError, match="freeze_gates needs full_finetune"):
         RetrofitConfig(freeze_gates=True)
+    with pytest.raises(ValueError, match="gate_supervision keeps the warm start's labels"):
+        RetrofitConfig(gate_supervision=0.1)
+    with pytest.raises(ValueError, match="cannot be combined with freeze_gates"):
+        RetrofitConfig(gate_supervision=0.1, warmstart_steps=5, full_finetune=True, freeze_gates=True)
+
+
+def test_supervised_role_gates_keep_long_lived_tokens_rather_than_scratch(tmp_path):
+    import random
+
+    from dms_runtime.adapters import load_gates
+    from dms_runtime.chain_data import difficulty_batch, long_lived_mask
+    from dms_runtime.loading import load_model
+    from dms_runtime.retrofit import RetrofitConfig, left_window_mask, retrofit
+    from dms_runtime.tokenizer import build_tokenizer
+
+    tokenizer = build_tokenizer()
+    tiny("qwen3").save_pretrained(tmp_path / "base")
+    tokenizer.save_pretrained(tmp_path / "base")
+    config = RetrofitConfig(model=str(tmp_path / "base"), ratios=[4], ramp_steps=1, hold_steps=4, warmstart_steps=60,
+                            warmstart_lr=0.003, warmstart_labels="cot_roles", gate_supervision=0.5, tokens_per_batch=400,
+                            k_max=4, window=4, full_finetune=True)
+    written = retrofit(config, quiet=True)
+    model, _ = load_model(tmp_path / "base-dms")
+    gates, dms = load_gates(model, written[0])
+    handle = attach_dms(model, gates, dms)
+    batch = difficulty_batch(tokenizer, random.Random(3), 4, 4, 800)
+    with torch.no_grad(), handle.mode("train"):
+        for module in handle.modules:
+            module.dms.noise = False
+        model(input_ids=batch.input_ids)
+        evicted = torch.stack([a.float() for a in handle.alphas()])[1:]  # [layers after the first, B, kv, T]
+    old = left_window_mask(batch.lengths, evicted.shape[-1], dms.window)
+    long_lived = long_lived_mask(tokenizer, batch)
+    rate = lambda tokens: evicted[:, tokens[:, None, :].expand(-1, evicted.shape[2], -1)].mean().item()  # noqa: E731
+    assert rate(old & long_lived) < rate(old & ~long_lived) - 0.3  # roles, learnt from a token's context
