@@ -12,7 +12,7 @@ mkdir -p "$OUT" runs
   --plot "$OUT/throughput.png" > "$OUT/throughput.json"
 .venv/bin/thinkpool bench overhead --samples 16 --max-new-tokens 600 --json > "$OUT/ray_overhead.json"
 .venv/bin/thinkpool generate --n "$N_HARD" --k 16-20 --seed 4001 --output runs/equal_memory_k16-20.jsonl
-for cr in 1 8; do
+for cr in 1 4 8; do
   .venv/bin/thinkpool eval --problems runs/equal_memory_k16-20.jsonl --model "$DMS" --cr "$cr" --kv-budget "$BUDGET" \
     --samples fit --max-new-tokens 1000 --workers 0 --json > "$OUT/equal_memory_cr$cr.json"
 done
