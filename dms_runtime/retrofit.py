@@ -42,9 +42,9 @@ from torch import nn
 from tqdm import tqdm
 
 from dms_runtime.adapters import adapter_path, save_adapter
-from dms_runtime.base_train import export
 from dms_runtime.attach import attach_dms
 from dms_runtime.attention import shifted_decisions
+from dms_runtime.base_train import export
 from dms_runtime.chain_data import difficulty_batch, long_lived_mask, sample_lengths
 from dms_runtime.config import DMSConfig
 from dms_runtime.gates import build_gates
@@ -96,7 +96,7 @@ class RetrofitConfig(BaseModel):
     checkpoint_every: int = Field(25, gt=0)
 
     @model_validator(mode="after")
-    def _something_to_train(self) -> "RetrofitConfig":
+    def _something_to_train(self) -> RetrofitConfig:
         if self.freeze_gates and not self.full_finetune:
             raise ValueError("freeze_gates needs full_finetune: with frozen gates and frozen weights nothing trains")
         if self.gate_supervision and not self.warmstart_steps:
@@ -113,7 +113,7 @@ class RetrofitConfig(BaseModel):
         return ratios
 
     @classmethod
-    def from_yaml(cls, path: str | Path) -> "RetrofitConfig":
+    def from_yaml(cls, path: str | Path) -> RetrofitConfig:
         return cls.model_validate(yaml.safe_load(Path(path).read_text()) or {})
 
     @property

@@ -24,7 +24,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from dms_regions import FixedGate
 
 from dms_runtime.attach import attach_dms
-from dms_runtime.chain_data import REGIONS, difficulty_batch, token_regions as regions
+from dms_runtime.chain_data import REGIONS, difficulty_batch
+from dms_runtime.chain_data import token_regions as regions
 from dms_runtime.config import DMSConfig
 from dms_runtime.loading import SHIPPED_MODEL, load_model
 

@@ -23,10 +23,12 @@ from torch import nn
 
 from dms_runtime.adapters import adapter_path, load_gates
 from dms_runtime.attach import attach_dms
-from dms_runtime.chain_data import IGNORE, REGIONS, difficulty_batch, token_regions as regions
+from dms_runtime.chain_data import IGNORE, REGIONS, difficulty_batch
+from dms_runtime.chain_data import token_regions as regions
 from dms_runtime.config import DMSConfig
 from dms_runtime.loading import SHIPPED_MODEL, load_model
 from dms_runtime.retrofit import left_window_mask
+
 
 class FixedGate(nn.Module):
     """A gate whose logits are given: +/-50 decides evict/keep for each token (decided one position later).

@@ -319,7 +319,7 @@ def test_gate_warm_start_moves_the_gates_to_the_eviction_target(tmp_path):
     from dms_runtime.adapters import load_gates
     from dms_runtime.chain_data import difficulty_batch
     from dms_runtime.loading import load_model
-    from dms_runtime.retrofit import RetrofitConfig, eviction_target, evicted_fraction, retrofit, sample_lengths
+    from dms_runtime.retrofit import RetrofitConfig, evicted_fraction, eviction_target, retrofit, sample_lengths
     from dms_runtime.tokenizer import build_tokenizer
 
     tokenizer = build_tokenizer()
@@ -380,5 +380,5 @@ def test_supervised_role_gates_keep_long_lived_tokens_rather_than_scratch(tmp_pa
         evicted = torch.stack([a.float() for a in handle.alphas()])[1:]  # [layers after the first, B, kv, T]
     old = left_window_mask(batch.lengths, evicted.shape[-1], dms.window)
     long_lived = long_lived_mask(tokenizer, batch)
-    rate = lambda tokens: evicted[:, tokens[:, None, :].expand(-1, evicted.shape[2], -1)].mean().item()  # noqa: E731
+    rate = lambda tokens: evicted[:, tokens[:, None, :].expand(-1, evicted.shape[2], -1)].mean().item()
     assert rate(old & long_lived) < rate(old & ~long_lived) - 0.3  # roles, learnt from a token's context
