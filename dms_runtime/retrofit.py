@@ -280,11 +280,11 @@ def gate_label_loss(config: RetrofitConfig, tokenizer, batch, far: list[torch.Te
     return loss, shown
 
 
-def warm_start(model, handle, row_gates: nn.ModuleList, config: RetrofitConfig, tokenizer, lengths: list[int],
+def warm_start(model, handle, row_gates: nn.ModuleList, config: RetrofitConfig, tokenizer, fractions: list[float],
                quiet: bool) -> list[float]:
-    """Teach every ratio's gates to evict what the frozen model attends to least from beyond the window;
-    returns each ratio's eviction fraction as labelled (its target, or less where bands were kept whole)."""
-    fractions = [eviction_target(ratio, config.window, lengths) for ratio in config.ratios]
+    """Teach every ratio's gates to evict what the frozen model attends to least from beyond the window, each
+    at its eviction target (``fractions``); returns each ratio's eviction fraction as labelled (its target,
+    or less where bands were kept whole)."""
     labelled = [[0.0, 0.0] for _ in config.ratios]  # evicted, eligible: over the whole warm start
     optimizer = torch.optim.AdamW(row_gates.parameters(), lr=config.warmstart_lr, weight_decay=0.0)
     bar = tqdm(range(config.warmstart_steps), desc="gate warm start", disable=quiet)
@@ -297,9 +297,9 @@ def warm_start(model, handle, row_gates: nn.ModuleList, config: RetrofitConfig, 
         loss.backward()
         optimizer.step()
         bar.set_postfix(bce=f"{loss.item():.3f}", label_agreement=shown)
-    fractions = [evicted / max(1.0, eligible) for evicted, eligible in labelled]
-    calibrate_offsets(model, handle, row_gates, config, tokenizer, fractions)
-    return fractions
+    labelled_fractions = [evicted / max(1.0, eligible) for evicted, eligible in labelled]
+    calibrate_offsets(model, handle, row_gates, config, tokenizer, labelled_fractions)
+    return labelled_fractions
 
 
 @torch.no_grad()
@@ -402,8 +402,9 @@ def retrofit(config: RetrofitConfig, steps: int | None = None, quiet: bool = Fal
         start = state["step"]
     end = min(config.total_steps, start + steps) if steps is not None else config.total_steps
     lengths = sample_lengths(tokenizer, config.k_min, config.k_max)
+    label_fractions = [eviction_target(final, dms.window, lengths) for final in config.ratios]  # the labels' targets
     if start == 0 and config.warmstart_steps:
-        warm_fractions = warm_start(model, handle, row_gates, config, tokenizer, lengths, quiet)
+        warm_fractions = warm_start(model, handle, row_gates, config, tokenizer, label_fractions, quiet)
     if config.freeze_gates:
         row_gates.requires_grad_(False)
     ratios = len(config.ratios)
@@ -449,7 +450,6 @@ def retrofit(config: RetrofitConfig, steps: int | None = None, quiet: bool = Fal
         loss = kl + config.compression_weight * compression
         if supervised:
             decisions = [shifted_decisions(module.dms.logits.float()) for module in handle.modules]
-            label_fractions = [eviction_target(final, dms.window, lengths) for final in config.ratios]  # as in the warm start
             bce, agreement = gate_label_loss(config, tokenizer, batch, far, decisions, row_ratio, label_fractions)
             loss = loss + config.gate_supervision * bce
             shown["labels"] = agreement

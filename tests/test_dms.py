@@ -313,12 +313,28 @@ def test_role_scores_rank_long_lived_tokens_by_head_then_everything_by_far_atten
     assert labels[0, 0].tolist() == [[1, 0, 1, 0, 0, 0], [1, 0, 1, 0, 0, 0]]
 
 
+def inference_decisions(model_dir, adapter, batch) -> tuple[torch.Tensor, DMSConfig]:
+    """A retrofitted model's eviction decisions ``[layers, B, decisions, T]`` on ``batch``, deterministic as at
+    inference, and the adapter's config."""
+    from dms_runtime.adapters import load_gates
+    from dms_runtime.loading import load_model
+
+    model, _ = load_model(model_dir)
+    gates, dms = load_gates(model, adapter)
+    handle = attach_dms(model, gates, dms)
+    with torch.no_grad(), handle.mode("train"):
+        for module in handle.modules:
+            module.dms.noise = False
+        model(input_ids=batch.input_ids)
+        alphas = torch.stack([a.float() for a in handle.alphas()])
+    handle.detach()
+    return alphas, dms
+
+
 def test_gate_warm_start_moves_the_gates_to_the_eviction_target(tmp_path):
     import random
 
-    from dms_runtime.adapters import load_gates
     from dms_runtime.chain_data import difficulty_batch
-    from dms_runtime.loading import load_model
     from dms_runtime.retrofit import RetrofitConfig, evicted_fraction, eviction_target, retrofit, sample_lengths
     from dms_runtime.tokenizer import build_tokenizer
 
@@ -330,15 +346,9 @@ def test_gate_warm_start_moves_the_gates_to_the_eviction_target(tmp_path):
                             freeze_gates=True, checkpoint_every=1)
     retrofit(config, steps=1, quiet=True)
     written = retrofit(config, quiet=True)  # resumes after the warm start, with its calibrated offsets
-    model, _ = load_model(tmp_path / "base-dms")
-    gates, dms = load_gates(model, written[0])
-    handle = attach_dms(model, gates, dms)
     batch = difficulty_batch(tokenizer, random.Random(1), 3, 3, 600)
-    with torch.no_grad(), handle.mode("train"):
-        for module in handle.modules:
-            module.dms.noise = False
-        model(input_ids=batch.input_ids)
-        fraction, _ = evicted_fraction(handle.alphas(), batch.lengths, dms.window)
+    alphas, dms = inference_decisions(tmp_path / "base-dms", written[0], batch)
+    fraction, _ = evicted_fraction(list(alphas), batch.lengths, dms.window)
     target = eviction_target(4.0, 4, sample_lengths(tokenizer, 1, 4))
     assert abs(fraction.item() - target) < 0.15  # zero-initialised gates evict nothing
     assert dms.init_offset != RetrofitConfig().init_offset  # the calibrated offset travels with the adapter
@@ -356,9 +366,7 @@ def test_frozen_gates_need_full_finetuning():
 def test_supervised_role_gates_keep_long_lived_tokens_rather_than_scratch(tmp_path):
     import random
 
-    from dms_runtime.adapters import load_gates
     from dms_runtime.chain_data import difficulty_batch, long_lived_mask
-    from dms_runtime.loading import load_model
     from dms_runtime.retrofit import RetrofitConfig, left_window_mask, retrofit
     from dms_runtime.tokenizer import build_tokenizer
 
@@ -369,15 +377,9 @@ def test_supervised_role_gates_keep_long_lived_tokens_rather_than_scratch(tmp_pa
                             warmstart_lr=0.003, warmstart_labels="cot_roles", gate_supervision=0.5, tokens_per_batch=400,
                             k_max=4, window=4, full_finetune=True)
     written = retrofit(config, quiet=True)
-    model, _ = load_model(tmp_path / "base-dms")
-    gates, dms = load_gates(model, written[0])
-    handle = attach_dms(model, gates, dms)
     batch = difficulty_batch(tokenizer, random.Random(3), 4, 4, 800)
-    with torch.no_grad(), handle.mode("train"):
-        for module in handle.modules:
-            module.dms.noise = False
-        model(input_ids=batch.input_ids)
-        evicted = torch.stack([a.float() for a in handle.alphas()])[1:]  # [layers after the first, B, kv, T]
+    alphas, dms = inference_decisions(tmp_path / "base-dms", written[0], batch)
+    evicted = alphas[1:]  # [layers after the first, B, kv, T]
     old = left_window_mask(batch.lengths, evicted.shape[-1], dms.window)
     long_lived = long_lived_mask(tokenizer, batch)
     rate = lambda tokens: evicted[:, tokens[:, None, :].expand(-1, evicted.shape[2], -1)].mean().item()
