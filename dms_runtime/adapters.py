@@ -63,6 +63,19 @@ def save_adapter(path: str | Path, gates: nn.ModuleList, config: DMSConfig, base
     return path
 
 
+def set_threshold(path: str | Path, threshold: float, extra: dict | None = None) -> None:
+    """Rewrite an adapter's decision threshold (and ``extra`` metadata) in place; the gate weights are unchanged."""
+    path = Path(path)
+    read_adapter_metadata(path)  # checks that it is an adapter
+    with safe_open(str(path), framework="pt") as handle:
+        metadata = dict(handle.metadata())
+    settings = json.loads(metadata["dms_config"])
+    metadata["dms_config"] = json.dumps(settings | {"threshold": float(threshold)})
+    metadata.update({k: json.dumps(v) for k, v in (extra or {}).items()})
+    save_file(load_file(str(path)), str(path), metadata=metadata)
+    path.with_suffix(".json").write_text(json.dumps({k: _loads(v) for k, v in metadata.items()}, indent=2) + "\n")
+
+
 def _loads(value: str):
     try:
         return json.loads(value)

@@ -91,6 +91,10 @@ class RetrofitConfig(BaseModel):
     # hidden states they read; with full fine-tuning its gradient also reaches the weights, which learn to
     # make the labels readable at write time. Decisions are then deterministic (no gate noise).
     gate_supervision: float = Field(0.0, ge=0)
+    # After training, fit each adapter's decision threshold so that it realizes its ratio on this many greedy
+    # solves of fresh problems (seeded by threshold_seed; see orchestrator.thresholds); 0 keeps threshold 0.
+    threshold_problems: int = Field(0, ge=0)
+    threshold_seed: int = 9001
     seed: int = 0
     device: str = "auto"  # auto = cuda when available (weights in bf16 there), else cpu
     checkpoint_every: int = Field(25, gt=0)
@@ -437,9 +441,17 @@ def retrofit(config: RetrofitConfig, steps: int | None = None, quiet: bool = Fal
         if config.freeze_gates:
             decisions = [shifted_decisions(module.dms.logits.detach().float()).cpu() for module in handle.modules]
             track_offsets(per_ratio, decisions, row_ratio, batch.lengths, dms.window, fraction_targets)
-        compression = torch.zeros(())
         shown = {}
-        for index, (final, fraction_target) in enumerate(zip(config.ratios, fraction_targets)):
+        batch_targets = fraction_targets
+        if supervised:
+            # The labels already set each ratio's eviction for this batch (more for long chains, less for short
+            # ones): the compression term holds the batch to them rather than to the pooled fraction.
+            labelled = [[0.0, 0.0] for _ in config.ratios]
+            decisions = [shifted_decisions(module.dms.logits.float()) for module in handle.modules]
+            bce, shown["labels"] = gate_label_loss(config, tokenizer, batch, far, decisions, row_ratio, label_fractions, labelled)
+            batch_targets = [evicted / eligible if eligible else target for (evicted, eligible), target in zip(labelled, fraction_targets)]
+        compression = torch.zeros(())
+        for index, (final, fraction_target) in enumerate(zip(config.ratios, batch_targets)):
             rows = row_ratio == index
             if not bool(rows.any()):
                 continue
@@ -449,10 +461,7 @@ def retrofit(config: RetrofitConfig, steps: int | None = None, quiet: bool = Fal
             shown[f"{final:g}x"] = f"{fraction.item():.2f}/{fraction_target:.2f}"
         loss = kl + config.compression_weight * compression
         if supervised:
-            decisions = [shifted_decisions(module.dms.logits.float()) for module in handle.modules]
-            bce, agreement = gate_label_loss(config, tokenizer, batch, far, decisions, row_ratio, label_fractions)
             loss = loss + config.gate_supervision * bce
-            shown["labels"] = agreement
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(trainable, 1.0)

@@ -223,6 +223,8 @@ def build_parser() -> argparse.ArgumentParser:
     retrofit.add_argument("--per-layer", action="store_true", help="one decision per layer instead of per KV head")
     retrofit.add_argument("--full-finetune", action="store_true", help="train all weights, not only the gates")
     retrofit.add_argument("--steps", type=bounded(int, 1), default=None, help="stop after this many steps")
+    retrofit.add_argument("--thresholds-only", action="store_true",
+                          help="do not train: fit the thresholds of the adapters already in the output directory")
     return parser
 
 

@@ -69,10 +69,11 @@ def test_solve_and_info():
         (("eval", "--problems", "{bad}", "--temperature", "-1"), "argument --temperature"),
         (("generate", "--n", "3", "--k", "0-30", "--output", "x.jsonl"), "argument --k"),
         (("info", "--model", "/nonexistent"), "argument --model: no model at /nonexistent"),
+        (("retrofit", "--thresholds-only", "--output", "{tmp}"), "argument --thresholds-only: no trained adapter at"),
     ],
 )
 def test_bad_input_exits_2_with_a_clear_message(args, message, easy_file, tmp_path):
-    args = tuple(str(easy_file) if a == "{bad}" else a for a in args)
+    args = tuple({"{bad}": str(easy_file), "{tmp}": str(tmp_path)}.get(a, a) for a in args)
     done = thinkpool(*args)
     assert done.returncode == 2
     assert message in done.stderr and "Traceback" not in done.stderr

@@ -82,7 +82,25 @@ def cmd_retrofit(args, parser) -> int:
         parser.error(f"argument --config: {error}")
     if not (Path(config.model) / "config.json").is_file():
         parser.error(f"argument --model: no model at {config.model}")
-    for path in retrofit(config, steps=args.steps):
+    if args.thresholds_only:
+        return fit_adapter_thresholds(config, parser, problems=config.threshold_problems or 64)
+    written = retrofit(config, steps=args.steps)
+    for path in written:
         print(f"adapter: {path}")
+    if written and config.threshold_problems:
+        return fit_adapter_thresholds(config, parser, config.threshold_problems)
+    return 0
+
+
+def fit_adapter_thresholds(config, parser, problems: int) -> int:
+    """Set each trained adapter's threshold so that it realizes its ratio (see orchestrator.thresholds)."""
+    from dms_runtime.adapters import adapter_path
+    from orchestrator.thresholds import describe, fit_thresholds
+
+    model_dir = config.output_dir if config.full_finetune else Path(config.model)
+    missing = [str(adapter_path(config.output_dir, r)) for r in config.ratios if not adapter_path(config.output_dir, r).is_file()]
+    if missing:
+        parser.error(f"argument --thresholds-only: no trained adapter at {', '.join(missing)}")
+    print(describe(fit_thresholds(model_dir, config.output_dir, config.ratios, config.k_min, config.k_max, problems, config.threshold_seed)))
     return 0
 

@@ -1,0 +1,56 @@
+"""Fitting a DMS adapter's threshold to its target ratio, on the shipped retrofitted model and its adapters."""
+
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from dms_runtime.adapters import adapter_path, load_gates, read_adapter_metadata, set_threshold
+from dms_runtime.loading import REPO_ROOT, load_model
+from orchestrator.thresholds import fit_threshold, measure
+from tasks.chain import generate_suite
+
+SHIPPED_DMS = REPO_ROOT / "checkpoints" / "chain-qwen3-dms"
+
+
+@pytest.fixture(scope="module")
+def dms_model():
+    return load_model(SHIPPED_DMS)
+
+
+@pytest.fixture()
+def adapter_8x(tmp_path):
+    path = tmp_path / "dms-8x.safetensors"
+    shutil.copy(adapter_path(SHIPPED_DMS, 8), path)
+    set_threshold(path, 0.0)
+    return path
+
+
+def test_set_threshold_rewrites_the_metadata_and_keeps_the_gates(adapter_8x, dms_model):
+    before = load_file(str(adapter_8x))
+    set_threshold(adapter_8x, 3.5, extra={"threshold_fit": {"problems": 2}})
+    metadata = read_adapter_metadata(adapter_8x)
+    assert metadata["dms_config"]["threshold"] == 3.5 and metadata["threshold_fit"] == {"problems": 2}
+    assert metadata["target_cr"] == 8
+    after = load_file(str(adapter_8x))
+    assert all(torch.equal(before[name], after[name]) for name in before)
+    _, config = load_gates(dms_model[0], adapter_8x)  # the fingerprint check still passes
+    assert config.threshold == 3.5
+
+
+def test_a_higher_threshold_evicts_less(adapter_8x, dms_model):
+    problems = generate_suite(2, 6, 8, seed=11)
+    evicting, _ = measure(*dms_model, adapter_8x, 0.0, problems)
+    keeping, _ = measure(*dms_model, adapter_8x, 1000.0, problems)
+    assert keeping == pytest.approx(1.0) and evicting > 2.0
+
+
+def test_the_fit_moves_towards_the_target(adapter_8x, dms_model):
+    problems = generate_suite(2, 6, 8, seed=12)
+    start, _ = measure(*dms_model, adapter_8x, 0.0, problems)
+    fit = fit_threshold(*dms_model, adapter_8x, problems, seed=12, max_trials=3, progress=False)
+    assert fit.trials <= 3 and fit.target_cr == 8
+    assert abs(fit.realized_cr / 8 - 1) <= abs(start / 8 - 1)
+    if abs(start / 8 - 1) > 0.03:  # it had to move: up when the gates overshoot, down when they fall short
+        assert (fit.threshold > 0) == (start > 8)
