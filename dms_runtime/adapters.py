@@ -12,8 +12,8 @@ import json
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
 from safetensors import safe_open
+from safetensors.torch import load_file, save_file
 from torch import nn
 
 from dms_runtime.attach import DMSHandle, attach_dms
@@ -43,7 +43,7 @@ def model_fingerprint(model: nn.Module) -> str:
     return digest.hexdigest()[:16]
 
 
-def adapter_path(model_dir: str | Path, cr: int | float) -> Path:
+def adapter_path(model_dir: str | Path, cr: float) -> Path:
     return Path(model_dir) / f"dms-{cr:g}x.safetensors"
 
 
