@@ -58,21 +58,23 @@ def save_adapter(path: str | Path, gates: nn.ModuleList, config: DMSConfig, base
         **{k: json.dumps(v) for k, v in (extra or {}).items()},
     }
     tensors = {k: v.detach().float().cpu().contiguous() for k, v in gates.state_dict().items()}
-    save_file(tensors, str(path), metadata=metadata)
-    path.with_suffix(".json").write_text(json.dumps({k: _loads(v) for k, v in metadata.items()}, indent=2) + "\n")
+    _write(path, tensors, metadata)
     return path
 
 
 def set_threshold(path: str | Path, threshold: float, extra: dict | None = None) -> None:
     """Rewrite an adapter's decision threshold (and ``extra`` metadata) in place; the gate weights are unchanged."""
     path = Path(path)
-    read_adapter_metadata(path)  # checks that it is an adapter
-    with safe_open(str(path), framework="pt") as handle:
-        metadata = dict(handle.metadata())
+    metadata = _raw_metadata(path)
     settings = json.loads(metadata["dms_config"])
     metadata["dms_config"] = json.dumps(settings | {"threshold": float(threshold)})
     metadata.update({k: json.dumps(v) for k, v in (extra or {}).items()})
-    save_file(load_file(str(path)), str(path), metadata=metadata)
+    _write(path, load_file(str(path)), metadata)
+
+
+def _write(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> None:
+    """The adapter file, and its metadata mirrored as JSON beside it for people."""
+    save_file(tensors, str(path), metadata=metadata)
     path.with_suffix(".json").write_text(json.dumps({k: _loads(v) for k, v in metadata.items()}, indent=2) + "\n")
 
 
@@ -83,15 +85,19 @@ def _loads(value: str):
         return value
 
 
-def read_adapter_metadata(path: str | Path) -> dict:
-    path = Path(path)
+def _raw_metadata(path: Path) -> dict[str, str]:
+    """The adapter's header metadata as stored (JSON strings); refuses a file that is not an adapter."""
     if not path.is_file():
         raise AdapterError(f"no DMS adapter at {path}")
     with safe_open(str(path), framework="pt") as handle:
         metadata = handle.metadata() or {}
     if metadata.get("format") != "thinkpool-dms-adapter/1":
         raise AdapterError(f"{path} is not a thinkpool DMS adapter")
-    return {k: _loads(v) for k, v in metadata.items()}
+    return dict(metadata)
+
+
+def read_adapter_metadata(path: str | Path) -> dict:
+    return {k: _loads(v) for k, v in _raw_metadata(Path(path)).items()}
 
 
 def load_gates(model: nn.Module, path: str | Path, threshold: float | None = None, check_base: bool = True) -> tuple[nn.ModuleList, DMSConfig]:

@@ -24,6 +24,8 @@ from tasks.chain import generate_suite
 from tasks.prompt import format_prompt
 from workers.batch_generate import KVPolicy, SamplingParams, generate_threads
 
+DEFAULT_PROBLEMS = 64  # calibration problems when a config does not name a number
+
 
 @dataclass(frozen=True)
 class ThresholdFit:
@@ -83,7 +85,7 @@ def fit_threshold(model, tokenizer, adapter: Path, problems: list[dict], seed: i
 
 
 def fit_thresholds(model_dir: str | Path, adapter_dir: str | Path, ratios: list[float], k_min: int, k_max: int,
-                   problems: int = 64, seed: int = 9001, progress: bool = True) -> list[ThresholdFit]:
+                   problems: int = DEFAULT_PROBLEMS, seed: int = 9001, progress: bool = True) -> list[ThresholdFit]:
     """Fit and write the threshold of each adapter ``adapter_dir/dms-<r>x`` of the model at ``model_dir``."""
     model, tokenizer = load_model(model_dir)
     suite = generate_suite(problems, k_min, k_max, seed=seed)

@@ -83,7 +83,9 @@ def cmd_retrofit(args, parser) -> int:
     if not (Path(config.model) / "config.json").is_file():
         parser.error(f"argument --model: no model at {config.model}")
     if args.thresholds_only:
-        return fit_adapter_thresholds(config, parser, problems=config.threshold_problems or 64)
+        from orchestrator.thresholds import DEFAULT_PROBLEMS
+
+        return fit_adapter_thresholds(config, parser, problems=config.threshold_problems or DEFAULT_PROBLEMS)
     written = retrofit(config, steps=args.steps)
     for path in written:
         print(f"adapter: {path}")
