@@ -48,6 +48,7 @@ from dms_runtime.base_train import export
 from dms_runtime.chain_data import difficulty_batch, long_lived_mask, sample_lengths
 from dms_runtime.config import DMSConfig
 from dms_runtime.gates import build_gates
+from dms_runtime.labels import RoleLabels, far_attention_labels, left_window_mask, sampled_quantile
 from dms_runtime.loading import load_model
 
 
@@ -79,8 +80,9 @@ class RetrofitConfig(BaseModel):
     warmstart_lr: float = Field(1e-3, gt=0)
     # per_head: each head keeps what it reads; per_token: every head keeps what any head reads far later
     # (on the shipped model most heads attend diffusely, and per-head labels follow that noise).
-    # cot_roles: tokens of the chain of thought's long-lived regions (prompt, registers) come first, in head
-    # order, then the rest by far attention (see role_scores); only for models trained on the chain task.
+    # cot_roles: tokens of the chain of thought's long-lived regions (prompt, registers) are kept whole in as
+    # many (layer, head) pairs as each ratio allows, the rest by far attention (dms_runtime.labels.RoleLabels);
+    # only for models trained on the chain task.
     warmstart_labels: Literal["per_head", "per_token", "cot_roles"] = "per_head"
     # After the warm start, train only the weights (full fine-tuning) under the warm-started gates' decisions:
     # measured on the shipped model, KL through the straight-through estimator moves the gates away from what
@@ -169,11 +171,6 @@ def eviction_target(ratio: float, window: int, lengths: list[int]) -> float:
     return high
 
 
-def left_window_mask(lengths: torch.Tensor, width: int, window: int) -> torch.Tensor:
-    """``[n, width]``: the tokens of each row that have left the window by the row's end (eviction can free them)."""
-    return torch.arange(width, device=lengths.device)[None, :] < (lengths[:, None] - 1 - window)
-
-
 def evicted_fraction(alphas: list[torch.Tensor], lengths: torch.Tensor, window: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Fraction of evicted tokens among those that left the window, and the rows' mean realized ratio."""
     stacked = torch.stack([a.float() for a in alphas])  # [layers, n, decisions, L]
@@ -185,62 +182,12 @@ def evicted_fraction(alphas: list[torch.Tensor], lengths: torch.Tensor, window: 
     return fraction, ratio
 
 
-def sampled_quantile(values: torch.Tensor, q: float) -> torch.Tensor:
-    """The ``q``-quantile of ``values``, estimated on at most a million of them (``torch.quantile``'s limit)."""
-    return torch.quantile(values[torch.randperm(len(values), device=values.device)[:1_000_000]].float(), q)
-
-
 def ratio_logits(decisions: list[torch.Tensor], row_ratio: torch.Tensor, lengths: torch.Tensor, window: int, ratio: int) -> torch.Tensor:
     """The decision logits (every layer and head) of ratio ``ratio``'s rows, for the tokens that left the window."""
     stacked = torch.stack(decisions)  # [layers, B, kv, T]
     rows = (row_ratio == ratio).to(stacked.device)
     eligible = left_window_mask(lengths.to(stacked.device), stacked.shape[-1], window) & rows[:, None]  # [B, T]
     return stacked[eligible[None, :, None, :].expand_as(stacked)]
-
-
-def far_attention_labels(far: list[torch.Tensor], lengths: torch.Tensor, window: int, fraction: float,
-                         per_token: bool = False, whole_bands: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Eviction labels ``[layers, B, kv_heads, T]`` (1 = evict), their weights and the mask of keys that left
-    the window: the ``fraction`` of those keys that get the least far attention, over all layers and heads
-    together, are labelled "evict". A key labelled "keep" weighs its far attention over the threshold
-    (up to 100): losing a key the model reads heavily costs more than losing one near the line.
-
-    ``per_token``: a token's score is the most far attention it gets in any layer and head, so every head
-    gets the same label for it: a token is kept everywhere if anything reads it far later.
-
-    ``whole_bands`` (for :func:`role_scores`, whose long-lived tokens score in bands of width 1 above 1): a
-    threshold that falls inside a band moves down to the band's floor, so each head's long-lived tokens
-    are kept or evicted whole. A gate knows a token's role when it is written, not which long-lived tokens
-    will be read least; the ratio then comes out below its target rather than the labels unlearnable."""
-    stacked = torch.stack(far)  # [layers, B, kv, T]
-    if per_token:
-        stacked = stacked.amax(dim=(0, 2), keepdim=True).expand_as(stacked)
-    eligible = left_window_mask(lengths.to(stacked.device), stacked.shape[-1], window)[None, :, None, :].expand_as(stacked)
-    scores = stacked[eligible]
-    if not scores.numel():
-        return torch.zeros_like(stacked), torch.ones_like(stacked), eligible
-    threshold = sampled_quantile(scores, fraction).clamp(min=1e-6)
-    if whole_bands and threshold >= 1:
-        threshold = threshold.floor()
-    weights = (stacked / threshold).clamp(1.0, 100.0)
-    return ((stacked < threshold) & eligible).float(), weights, eligible
-
-
-def role_scores(far: list[torch.Tensor], long_lived: torch.Tensor) -> list[torch.Tensor]:
-    """Keep priorities ``[B, kv, T]`` per layer from the chain of thought's token roles: a long-lived token
-    (``long_lived``, ``[B, T]``) scores ``1 + kv_heads - head`` plus its far attention, any other token its far
-    attention alone (at most 1). Thresholded at a ratio's quantile (:func:`far_attention_labels`), the
-    mildest ratios keep the most-read scratch too, a middle one keeps every long-lived token in every head,
-    and the strongest keeps them in the first heads only: one head per layer that serves the long reads is
-    what makes 8x reachable (the others hold just their window) once the weights are fine-tuned under it.
-    Why roles and not attention alone: the shipped model's attention is diffuse, so far-attention labels
-    are mostly noise that a gate cannot predict when a token is written, while a token's role it can,
-    from layer 1 on (a linear probe on the shipped model's layer inputs: 96-99% accurate). The first
-    layer's gates see only the next token's embedding and cannot (79%, where "all scratch" scores 77%), so
-    the first layer gets no role bonus: it keeps what it reads far, and the weights learn to need little."""
-    kv_heads = far[0].shape[1]
-    bonus = (1.0 + kv_heads - torch.arange(kv_heads, dtype=torch.float32))[None, :, None]  # [1, kv, 1]
-    return [f if layer == 0 else f + long_lived[:, None, :].to(f.device) * bonus.to(f.device) for layer, f in enumerate(far)]
 
 
 def probe_pass(model, handle, row_gates: nn.ModuleList, batch, ratios: int) -> tuple[torch.Tensor, list, list]:
@@ -259,22 +206,24 @@ def probe_pass(model, handle, row_gates: nn.ModuleList, batch, ratios: int) -> t
 
 
 def gate_label_loss(config: RetrofitConfig, tokenizer, batch, far: list[torch.Tensor], decisions: list[torch.Tensor],
-                    row_ratio: torch.Tensor, fractions: list[float],
+                    row_ratio: torch.Tensor, fractions: list[float], roles: RoleLabels | None = None,
                     labelled: list[list[float]] | None = None) -> tuple[torch.Tensor, dict[str, str]]:
     """The warm start's objective on one batch: binary cross-entropy of every ratio's decision logits (its
-    rows) against its far-attention (or role) labels, and each ratio's agreement with them. ``labelled``
-    accumulates, per ratio, the evicted and eligible counts of the labels."""
-    if config.warmstart_labels == "cot_roles":
-        far = role_scores(far, long_lived_mask(tokenizer, batch))
+    rows) against its labels (``roles``' when given, else far attention at ``fractions``), and each ratio's
+    agreement with them. ``labelled`` accumulates, per ratio, the evicted and eligible counts of the labels."""
+    scores = roles.scores(far, long_lived_mask(tokenizer, batch)) if roles is not None else None
     loss = torch.zeros((), device=decisions[0].device)
     shown = {}
     for index, (final, fraction) in enumerate(zip(config.ratios, fractions)):
         rows = (row_ratio == index).to(far[0].device)
         if not bool(rows.any()):
             continue
-        labels, weights, eligible = far_attention_labels([f[rows] for f in far], batch.lengths[rows.cpu()], config.window, fraction,
-                                                         per_token=config.warmstart_labels == "per_token",
-                                                         whole_bands=config.warmstart_labels == "cot_roles")
+        lengths = batch.lengths[rows.cpu()]
+        if roles is not None:
+            labels, weights, eligible = roles.labels(scores[:, rows], lengths, config.window, index)
+        else:
+            labels, weights, eligible = far_attention_labels([f[rows] for f in far], lengths, config.window, fraction,
+                                                             per_token=config.warmstart_labels == "per_token")
         if labelled is not None:
             labelled[index][0] += labels[eligible].sum().item()
             labelled[index][1] += eligible.sum().item()
@@ -284,8 +233,21 @@ def gate_label_loss(config: RetrofitConfig, tokenizer, batch, far: list[torch.Te
     return loss, shown
 
 
+@torch.no_grad()
+def plan_role_labels(model, handle, row_gates: nn.ModuleList, config: RetrofitConfig, tokenizer) -> RoleLabels:
+    """Role labels' bands and thresholds from the frozen model's far attention on fresh calibration batches,
+    one per difficulty (the eval's ratio weighs every problem, short or long, the same)."""
+    probes = []
+    for k in range(config.k_min, config.k_max + 1):
+        batch = difficulty_batch(tokenizer, random.Random(config.seed * 1_000_003 + 15_485_863 * k), k, k,
+                                 config.tokens_per_batch)
+        _, far, _ = probe_pass(model, handle, row_gates, batch, len(config.ratios))
+        probes.append(([f.float().cpu() for f in far], long_lived_mask(tokenizer, batch), batch.lengths))
+    return RoleLabels.plan(probes, config.ratios, config.window)
+
+
 def warm_start(model, handle, row_gates: nn.ModuleList, config: RetrofitConfig, tokenizer, fractions: list[float],
-               quiet: bool) -> list[float]:
+               roles: RoleLabels | None, quiet: bool) -> list[float]:
     """Teach every ratio's gates to evict what the frozen model attends to least from beyond the window, each
     at its eviction target (``fractions``); returns each ratio's eviction fraction as labelled (its target,
     or less where bands were kept whole)."""
@@ -296,7 +258,7 @@ def warm_start(model, handle, row_gates: nn.ModuleList, config: RetrofitConfig, 
         batch = difficulty_batch(tokenizer, random.Random(config.seed * 1_000_003 + 7_919 * (step + 1)), config.k_min,
                                  config.k_max, config.tokens_per_batch)
         row_ratio, far, decisions = probe_pass(model, handle, row_gates, batch, len(config.ratios))
-        loss, shown = gate_label_loss(config, tokenizer, batch, far, decisions, row_ratio, fractions, labelled)
+        loss, shown = gate_label_loss(config, tokenizer, batch, far, decisions, row_ratio, fractions, roles, labelled)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         optimizer.step()
@@ -394,12 +356,14 @@ def retrofit(config: RetrofitConfig, steps: int | None = None, quiet: bool = Fal
     state_path = out_dir / f"retrofit_state-{dms.parametrization}-w{dms.window}.pt"
     start = 0
     warm_fractions: list[float] | None = None  # what the warm start labelled: training then holds it
+    roles: RoleLabels | None = None  # fixed role labels (cot_roles), planned once before the warm start
     if state_path.exists():
         state = torch.load(state_path, weights_only=False, map_location=device)
         row_gates.load_state_dict(state["gates"])
         if "offsets" in state:
             set_offsets(per_ratio, state["offsets"])
         warm_fractions = state.get("fractions")
+        roles = RoleLabels.from_state(state["roles"]) if state.get("roles") else None
         optimizer.load_state_dict(state["optimizer"])
         if config.full_finetune:
             model.load_state_dict(state["model"])
@@ -407,8 +371,10 @@ def retrofit(config: RetrofitConfig, steps: int | None = None, quiet: bool = Fal
     end = min(config.total_steps, start + steps) if steps is not None else config.total_steps
     lengths = sample_lengths(tokenizer, config.k_min, config.k_max)
     label_fractions = [eviction_target(final, dms.window, lengths) for final in config.ratios]  # the labels' targets
+    if config.warmstart_labels == "cot_roles" and roles is None:
+        roles = plan_role_labels(model, handle, row_gates, config, tokenizer)
     if start == 0 and config.warmstart_steps:
-        warm_fractions = warm_start(model, handle, row_gates, config, tokenizer, label_fractions, quiet)
+        warm_fractions = warm_start(model, handle, row_gates, config, tokenizer, label_fractions, roles, quiet)
     if config.freeze_gates:
         row_gates.requires_grad_(False)
     ratios = len(config.ratios)
@@ -448,7 +414,8 @@ def retrofit(config: RetrofitConfig, steps: int | None = None, quiet: bool = Fal
             # ones): the compression term holds the batch to them rather than to the pooled fraction.
             labelled = [[0.0, 0.0] for _ in config.ratios]
             decisions = [shifted_decisions(module.dms.logits.float()) for module in handle.modules]
-            bce, shown["labels"] = gate_label_loss(config, tokenizer, batch, far, decisions, row_ratio, label_fractions, labelled)
+            bce, shown["labels"] = gate_label_loss(config, tokenizer, batch, far, decisions, row_ratio, label_fractions, roles,
+                                                     labelled)
             batch_targets = [evicted / eligible if eligible else target for (evicted, eligible), target in zip(labelled, fraction_targets)]
         compression = torch.zeros(())
         for index, (final, fraction_target) in enumerate(zip(config.ratios, batch_targets)):
@@ -471,7 +438,8 @@ def retrofit(config: RetrofitConfig, steps: int | None = None, quiet: bool = Fal
                         s_per_step=f"{(time.perf_counter() - began) / (step - start + 1):.1f}")
         if (step + 1) % config.checkpoint_every == 0 or step + 1 == end:
             state = {"gates": row_gates.state_dict(), "optimizer": optimizer.state_dict(), "step": step + 1,
-                     "offsets": [gates[0].config.init_offset for gates in per_ratio], "fractions": warm_fractions}
+                     "offsets": [gates[0].config.init_offset for gates in per_ratio], "fractions": warm_fractions,
+                     "roles": roles.state() if roles is not None else None}
             if config.full_finetune:
                 state["model"] = model.state_dict()
             torch.save(state, state_path)
@@ -479,12 +447,15 @@ def retrofit(config: RetrofitConfig, steps: int | None = None, quiet: bool = Fal
     if end == config.total_steps:
         if config.full_finetune:
             export_weights(model, tokenizer, out_dir)
-        for final, fraction_target, gates in zip(config.ratios, fraction_targets if end > start else [0.0] * ratios, per_ratio):
+        for index, (final, fraction_target, gates) in enumerate(
+                zip(config.ratios, fraction_targets if end > start else [0.0] * ratios, per_ratio)):
+            role_labels = {} if roles is None else {"label_threshold": round(roles.thresholds[index], 4),
+                                                    "long_lived_pairs": roles.kept_pairs(index)}
             written.append(save_adapter(
                 adapter_path(out_dir, final), gates, gates[0].config, model, final,
                 extra={"train_steps": config.total_steps, "eviction_target": round(fraction_target, 4),
                        "train_kl": round(kl.item(), 5), "full_finetune": config.full_finetune,
-                       "base_model": config.model, "ratios_trained_together": config.ratios},
+                       "base_model": config.model, "ratios_trained_together": config.ratios, **role_labels},
             ))
     handle.detach()
     if teacher_handle is not None and teacher_handle is not handle:

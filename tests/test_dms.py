@@ -261,7 +261,7 @@ def test_probe_mode_is_the_vanilla_model_and_reports_far_attention(kind):
 
 
 def test_far_attention_labels_evict_the_least_read_keys_at_the_fraction():
-    from dms_runtime.retrofit import far_attention_labels
+    from dms_runtime.labels import far_attention_labels
 
     far = [torch.tensor([[[0.5, 0.01, 0.02, 0.9, 0.03, 0.2, 0.0, 0.0]]])]  # 1 layer, 1 row, 1 head, T = 8
     labels, weights, eligible = far_attention_labels(far, torch.tensor([8]), window=1, fraction=0.5)
@@ -291,26 +291,39 @@ def test_token_regions_find_the_long_lived_values_of_a_chain_of_thought():
     assert [c for c, region in by_char if region == "answer"] == list("#49")
 
 
-def test_role_scores_rank_long_lived_tokens_by_head_then_everything_by_far_attention():
-    from dms_runtime.retrofit import far_attention_labels, role_scores
+def test_role_labels_keep_long_lived_tokens_whole_in_the_pairs_that_read_them_most():
+    from dms_runtime.labels import RoleLabels, eligible_mask, fit_label_threshold, label_ratio, pair_bonus
 
-    far = [torch.tensor([[[0.3, 0.0, 0.2, 0.1, 0.0, 0.0], [0.0, 0.4, 0.0, 0.0, 0.0, 0.0]]])]  # [B=1, kv=2, T=6]
+    # layer 0 never gets a band (its gates cannot see roles); the rest are ranked by how much they read
+    bonus = pair_bonus(torch.tensor([[0.9, 0.9], [0.1, 0.3], [0.2, 0.05]]))
+    assert bonus.tolist() == [[0, 0], [2, 4], [3, 1]]
+    roles = RoleLabels(bonus, [0.25, 3.0])
+    far = [torch.tensor([[[0.3, 0.0, 0.2, 0.1, 0.0, 0.0], [0.0, 0.4, 0.0, 0.0, 0.0, 0.0]]])] * 3  # [B=1, kv=2, T=6]
     long_lived = torch.tensor([[False, True, False, True, False, False]])
-    first, scores = (layer[0] for layer in role_scores([far[0], far[0]], long_lived))
-    assert torch.equal(first, far[0][0])  # the first layer's gates cannot see roles: no bonus there
-    assert scores[0].tolist() == pytest.approx([0.3, 3.0, 0.2, 3.1, 0.0, 0.0])  # head 0: bonus 1 + 2 - 0
-    assert scores[1].tolist() == pytest.approx([0.0, 2.4, 0.0, 2.0, 0.0, 0.0])  # head 1: bonus 1 + 2 - 1
-    # window 1, length 6: keys 0..3 can be evicted (8 key-head pairs). Half: all scratch goes, long-lived stays.
-    labels, _, _ = far_attention_labels([scores[None]], torch.tensor([6]), window=1, fraction=0.5)
-    assert labels[0, 0].tolist() == [[1, 0, 1, 0, 0, 0], [1, 0, 1, 0, 0, 0]]
-    # three quarters: head 1 gives up its long-lived tokens too, head 0 keeps them
-    labels, _, _ = far_attention_labels([scores[None]], torch.tensor([6]), window=1, fraction=0.75)
-    assert labels[0, 0].tolist() == [[1, 0, 1, 0, 0, 0], [1, 1, 1, 1, 0, 0]]
-    # five eighths falls inside head 1's band (token 3 would go, token 1 stay): whole bands keep both
-    labels, _, _ = far_attention_labels([scores[None]], torch.tensor([6]), window=1, fraction=0.625)
-    assert labels[0, 0, 1].tolist() == [1, 0, 1, 1, 0, 0]
-    labels, _, _ = far_attention_labels([scores[None]], torch.tensor([6]), window=1, fraction=0.625, whole_bands=True)
-    assert labels[0, 0].tolist() == [[1, 0, 1, 0, 0, 0], [1, 0, 1, 0, 0, 0]]
+    scores = roles.scores(far, long_lived)  # [layers, B, kv, T]
+    assert torch.equal(scores[0], far[0])
+    assert scores[1, 0, 1].tolist() == pytest.approx([0.0, 4.4, 0.0, 4.0, 0.0, 0.0])
+    # window 1, length 6: keys 0..3 can be evicted. The milder ratio evicts scratch read under 0.25 only ...
+    labels, weights, eligible = roles.labels(scores, torch.tensor([6]), window=1, ratio_index=0)
+    assert labels[0, 0].tolist() == [[0, 1, 1, 1, 0, 0], [1, 0, 1, 1, 0, 0]]
+    assert weights[1, 0, 1, 1] > weights[0, 0, 0, 0] > 1 and eligible[0, 0, 0].tolist() == [True] * 4 + [False] * 2
+    # ... the stronger one keeps long-lived tokens only in the pairs with band >= 3, whole, and no scratch
+    labels, _, _ = roles.labels(scores, torch.tensor([6]), window=1, ratio_index=1)
+    assert labels[:, 0, :, 1].tolist() == [[1, 1], [1, 0], [0, 1]] and labels[:, 0, :, 3].tolist() == [[1, 1], [1, 0], [0, 1]]
+    assert roles.kept_pairs(1) == 2 and roles.kept_pairs(0) == 4
+
+    # The thresholds realize the asked ratio as eval measures it; every sample (difficulty) weighs the same.
+    samples = [(scores, eligible_mask(scores, torch.tensor([6]), 1), torch.tensor([6]))]
+    assert label_ratio(samples, 0.0) == 1.0
+    assert label_ratio(samples, 10.0) == pytest.approx(3.0)  # every pair holds its window + 1 = 2 of 6
+    short = torch.zeros(3, 3, 2, 3)  # three rows of length 3: one key leaves the window, so each holds 2 of 3
+    samples_by_k = samples + [(short, eligible_mask(short, torch.tensor([3, 3, 3]), 1), torch.tensor([3, 3, 3]))]
+    assert label_ratio(samples_by_k, 10.0) == pytest.approx((3.0 + 1.5) / 2)  # not (3 + 3 * 1.5) / 4 by rows
+    threshold = fit_label_threshold(samples, 2.5, top_band=4)
+    assert threshold == 3.0  # above the scratch: a whole band floor (two pairs keep their long-lived tokens)
+    assert label_ratio(samples, threshold) == pytest.approx(2.5)
+    mild = fit_label_threshold(samples, 1.2, top_band=4)
+    assert 0 < mild < 1 and label_ratio(samples, mild) >= 1.2  # scratch alone: bisected below the bands
 
 
 def inference_decisions(model_dir, adapter, batch) -> tuple[torch.Tensor, DMSConfig]:
@@ -367,13 +380,14 @@ def test_supervised_role_gates_keep_long_lived_tokens_rather_than_scratch(tmp_pa
     import random
 
     from dms_runtime.chain_data import difficulty_batch, long_lived_mask
-    from dms_runtime.retrofit import RetrofitConfig, left_window_mask, retrofit
+    from dms_runtime.labels import left_window_mask
+    from dms_runtime.retrofit import RetrofitConfig, retrofit
     from dms_runtime.tokenizer import build_tokenizer
 
     tokenizer = build_tokenizer()
     tiny("qwen3").save_pretrained(tmp_path / "base")
     tokenizer.save_pretrained(tmp_path / "base")
-    config = RetrofitConfig(model=str(tmp_path / "base"), ratios=[4], ramp_steps=1, hold_steps=4, warmstart_steps=60,
+    config = RetrofitConfig(model=str(tmp_path / "base"), ratios=[10], ramp_steps=1, hold_steps=4, warmstart_steps=60,
                             warmstart_lr=0.003, warmstart_labels="cot_roles", gate_supervision=0.5, tokens_per_batch=400,
                             k_max=4, window=4, full_finetune=True)
     written = retrofit(config, quiet=True)
@@ -384,3 +398,4 @@ def test_supervised_role_gates_keep_long_lived_tokens_rather_than_scratch(tmp_pa
     long_lived = long_lived_mask(tokenizer, batch)
     rate = lambda tokens: evicted[:, tokens[:, None, :].expand(-1, evicted.shape[2], -1)].mean().item()
     assert rate(old & long_lived) < rate(old & ~long_lived) - 0.3  # roles, learnt from a token's context
+    assert read_adapter_metadata(written[0])["long_lived_pairs"] == 2  # both pairs of layer 1 keep them
