@@ -40,6 +40,8 @@ class DataConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
     k_min: int = Field(1, ge=1)
     k_max: int = Field(22, le=24)
+    # Write each + or * line's operands in either order (tasks.cot.render_cot): many valid paths to one answer.
+    any_order: bool = False
 
 
 class OptimConfig(BaseModel):
@@ -66,6 +68,8 @@ class TrainConfig(BaseModel):
     export_at_step: int | None = Field(None, gt=0)
     snapshot_every: int | None = Field(None, gt=0)  # keep a copy of the train state every N steps
     device: str = "auto"  # auto = cuda when available, else cpu
+    # Start from this checkpoint's weights (a fine-tune) rather than from random ones.
+    init_from: str | None = None
 
     @classmethod
     def from_yaml(cls, path: str | Path) -> "TrainConfig":
@@ -94,7 +98,7 @@ def build_model(shape: ModelShape, tokenizer) -> Qwen3ForCausalLM:
 def make_batch(config: TrainConfig, tokenizer, step: int) -> tuple[torch.Tensor, torch.Tensor, int]:
     """Step ``step``'s batch: problems of one difficulty (so little padding), prompt tokens masked."""
     batch = difficulty_batch(tokenizer, random.Random(config.seed * 1_000_003 + step), config.data.k_min,
-                             config.data.k_max, config.optim.tokens_per_batch)
+                             config.data.k_max, config.optim.tokens_per_batch, config.data.any_order)
     return batch.input_ids, batch.labels, batch.k
 
 
@@ -116,6 +120,8 @@ def train(config: TrainConfig, steps: int | None = None, quiet: bool = False) ->
     tokenizer = build_tokenizer()
     device = "cuda" if config.device == "auto" and torch.cuda.is_available() else ("cpu" if config.device == "auto" else config.device)
     model = build_model(config.model, tokenizer).to(device)
+    if config.init_from:
+        model.load_state_dict(Qwen3ForCausalLM.from_pretrained(config.init_from, dtype=torch.float32).state_dict())
     decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
     no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
     optimizer = torch.optim.AdamW(

@@ -17,7 +17,9 @@ rises linearly from 1 over ``ramp_steps``, then holds for ``hold_steps``. Resuma
 Before that, ``warmstart_steps`` steps teach each ratio's gates where to start: the frozen model runs in
 probe mode, which reports for every key how much attention it still gets from queries beyond the
 window; the keys getting the least (a quantile at the ratio's eviction target, pooled over layers and
-heads) are labelled "evict", and the gates learn those labels (binary cross-entropy). Measured on the
+heads) are labelled "evict", and the gates learn those labels (binary cross-entropy). Chain-task models
+can use role labels instead (``warmstart_labels: cot_roles``, ``dms_runtime.labels.RoleLabels``), planned
+once on calibration batches before the warm start. Measured on the
 shipped model, evicting by that rule alone keeps the KL near zero at 2x, whereas gates trained from KL
 alone through the straight-through estimator find it only slowly: its gradient reaches a gate only while
 its logit is near the threshold.

@@ -27,7 +27,12 @@ the following ones only pass on their units char, and the last one's units char 
 
 from __future__ import annotations
 
+import dataclasses
+import random
+
 from tasks.chain import Assignment, Problem
+
+COMMUTATIVE = ("+", "*")
 
 
 def _fact(x: int, op: str, y: int) -> str:
@@ -61,12 +66,18 @@ def derived_line(a: Assignment, values: dict[str, int]) -> str:
     return f"{a.var}={a.y}{a.op}{a.z}|{a.y}:{left:02d}{a.op}{a.z}:{right:02d}|{facts}"
 
 
-def render_cot(problem: Problem) -> str:
-    """The complete target completion for a problem, ending with ``#<answer>``."""
+def render_cot(problem: Problem, order_rng: random.Random | None = None) -> str:
+    """The complete target completion for a problem, ending with ``#<answer>``.
+
+    With ``order_rng``, each ``+`` or ``*`` line of two different operands is written in either order at random
+    (``r=p+h|p:22+h:00|...`` for ``r=h+p``): a chain of thought with many valid paths to one answer, so that
+    sampled threads do not all share the greedy thread's weak steps (see ``scripts/error_anatomy.py``)."""
     values = problem.values
     lines = []
     for a in problem.assignments:
         if not a.is_input:
+            if order_rng is not None and a.op in COMMUTATIVE and a.y != a.z and order_rng.random() < 0.5:
+                a = dataclasses.replace(a, y=a.z, z=a.y)
             lines.append(derived_line(a, values))
         lines.append(f"{a.var}:{values[a.var]:02d}")
     lines.append(f"#{problem.answer}")

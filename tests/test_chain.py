@@ -37,10 +37,10 @@ def test_generated_problems_follow_the_format(seed, k):
 
 
 @settings(max_examples=300, deadline=None)
-@given(seed=st.integers(0, 10**9), k=st.integers(1, 24))
-def test_cot_facts_compute_every_register(seed, k):
+@given(seed=st.integers(0, 10**9), k=st.integers(1, 24), any_order=st.booleans())
+def test_cot_facts_compute_every_register(seed, k, any_order):
     problem = generate_problem(random.Random(seed), k)
-    lines = render_cot(problem).split("\n")
+    lines = render_cot(problem, random.Random(seed + 1) if any_order else None).split("\n")
     values = problem.values
     assert lines[-1] == f"#{problem.answer}"
     for index, line in enumerate(lines[:-1]):
@@ -102,3 +102,16 @@ def test_reach_draws_first_operands_from_far_back():
             if not a.is_input:
                 distance = index - (ord(a.y) - ord("a"))
                 assert distance >= min(8, index)
+
+
+def test_any_order_cot_swaps_only_commutative_operands_and_keeps_the_answer():
+    problem = parse_problem("a=7;b=42;c=a+b;d=c*a;e=d-b;f=c*c;?f")
+    plain = render_cot(problem).split("\n")
+    variants = [text.split("\n") for text in {render_cot(problem, random.Random(seed)) for seed in range(40)}]
+    assert len(variants) == 4  # c and d each in two orders; e (-) and f (equal operands) in one
+    assert {lines[2] for lines in variants} == {"c=a+b|a:07+b:42|7+2=09,0+4=04,4+0=04", "c=b+a|b:42+a:07|2+7=09,4+0=04,4+0=04"}
+    assert {lines[4] for lines in variants} == {"d=c*a|c:49*a:07|9*7=63,4*7=28,9*0=00,6+8=14,4+0=04",
+                                                "d=a*c|a:07*c:49|7*9=63,0*9=00,7*4=28,6+0=06,6+8=14"}
+    for lines in variants:  # registers, the - line, the equal-operand line and the answer never change
+        assert [lines[i] for i in (3, 5, 6, 7, 8, 9, 10)] == [plain[i] for i in (3, 5, 6, 7, 8, 9, 10)]
+    assert plain[-1] == "#1"

@@ -1,0 +1,97 @@
+"""Where threads go wrong on the chain task, and whether sampled threads of a failed problem fail alike.
+
+    thinkpool generate --n 100 --k 16-20 --seed 1002 --output runs/hard_k16-20.jsonl
+    .venv/bin/python scripts/error_anatomy.py --problems runs/hard_k16-20.jsonl --limit 30 --samples 8
+    .venv/bin/python scripts/error_anatomy.py --problems runs/dms_k1-20.jsonl --model checkpoints/chain-qwen3-dms --cr 8
+
+Decodes every problem greedily (optionally under a DMS adapter), compares each failed thread's chain of
+thought with the reference one line by line, and names the part of the first line that differs: the
+header copied from the prompt (``r=h+p``), the operand values copied from register lines (``h:00+p:22``),
+the single-digit facts, or the register it writes. With ``--samples N`` the failed problems are also
+sampled N times (temperature 0.8): how many sampled threads are right, which answers they give, and
+where they first go wrong. Prints one JSON object.
+
+Why it matters: majority voting beats greedy only if a failed problem's sampled threads reach the right
+answer more often than any single wrong one; with one valid chain of thought, a thread that takes the
+wrong branch at a step the greedy thread also gets wrong lands on the same wrong answer.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+from pathlib import Path
+
+from dms_runtime.adapters import adapter_path, load_adapter
+from dms_runtime.loading import SHIPPED_MODEL, load_model
+from policies.extraction import answers_match
+from tasks.chain import parse_problem
+from tasks.cot import render_cot
+from tasks.prompt import format_prompt
+from workers.batch_generate import KVPolicy, SamplingParams, generate_threads
+
+WORK_LINE = ("header", "operands", "facts")
+
+
+def first_error(text: str, reference: str) -> dict | None:
+    """The first line where ``text`` leaves ``reference``: its index, the part that differs, and both lines."""
+    for index, (got, want) in enumerate(zip(text.split("\n"), reference.split("\n"))):
+        if got == want:
+            continue
+        if "|" in want:  # a work line: header|operands|facts
+            got_parts = (got.split("|") + ["", ""])[:3]
+            part = next((name for name, a, b in zip(WORK_LINE, got_parts, want.split("|")) if a != b), "facts")
+        else:
+            part = "answer" if want.startswith("#") else "register"
+        return {"line": index, "part": part, "got": got, "want": want}
+    return None
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--problems", required=True, type=Path)
+    parser.add_argument("--model", default=str(SHIPPED_MODEL))
+    parser.add_argument("--cr", type=float, default=1.0, help="a DMS adapter beside the model (1 = none)")
+    parser.add_argument("--limit", type=int, default=0)
+    parser.add_argument("--samples", type=int, default=0, help="sampled threads per failed problem (0 = none)")
+    parser.add_argument("--temperature", type=float, default=0.8)
+    parser.add_argument("--seed", type=int, default=5)
+    args = parser.parse_args()
+    problems = [json.loads(line) for line in args.problems.read_text().splitlines() if line.strip()]
+    problems = problems[: args.limit or None]
+    model, tokenizer = load_model(args.model)
+    kv = KVPolicy(dms=load_adapter(model, adapter_path(args.model, args.cr))) if args.cr > 1 else None
+    prompts = [format_prompt(p["prompt"]) for p in problems]
+    references = [render_cot(parse_problem(p["prompt"])) for p in problems]
+    greedy = generate_threads(model, tokenizer, prompts, 1, SamplingParams(temperature=0), progress=False, kv=kv)
+    failed = [t for t in greedy.threads if not answers_match(t.answer, problems[t.problem_index]["answer"])]
+    report: dict = {"n": len(problems), "greedy_accuracy": 1 - len(failed) / max(1, len(problems)),
+                    "first_error_parts": collections.Counter(), "failed": []}
+    for thread in failed:
+        error = first_error(thread.text, references[thread.problem_index])
+        report["first_error_parts"][error["part"] if error else "none"] += 1
+        report["failed"].append({"problem": problems[thread.problem_index]["id"], "k": problems[thread.problem_index].get("k"),
+                                 "answer": problems[thread.problem_index]["answer"], "greedy": thread.answer,
+                                 "first_error": error})
+    if args.samples and failed:
+        indices = [t.problem_index for t in failed]
+        sampled = generate_threads(model, tokenizer, [prompts[i] for i in indices], args.samples,
+                                   SamplingParams(temperature=args.temperature, seed=args.seed), progress=False, kv=kv)
+        by_problem = collections.defaultdict(list)
+        for thread in sampled.threads:
+            by_problem[thread.problem_index].append(thread)
+        for entry, index, threads in zip(report["failed"], indices, (by_problem[j] for j in range(len(indices)))):
+            answers = collections.Counter(t.answer for t in threads)
+            entry["sampled_correct"] = sum(answers_match(t.answer, entry["answer"]) for t in threads)
+            entry["sampled_answers"] = answers.most_common(4)
+            entry["vote_fixes_it"] = answers_match(answers.most_common(1)[0][0], entry["answer"])
+            errors = (first_error(t.text, references[index]) for t in threads)
+            entry["sampled_first_errors"] = collections.Counter(
+                f"line {e['line']} {e['part']}" if e else "none" for e in errors).most_common(4)
+        report["vote_fixes"] = sum(entry["vote_fixes_it"] for entry in report["failed"])
+    print(json.dumps(report, indent=1))
+
+
+if __name__ == "__main__":
+    main()
