@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 import yaml
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 from tqdm import tqdm
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
@@ -71,8 +71,15 @@ class TrainConfig(BaseModel):
     # Start from this checkpoint's weights (a fine-tune) rather than from random ones.
     init_from: str | None = None
 
+    @field_validator("init_from")
     @classmethod
-    def from_yaml(cls, path: str | Path) -> "TrainConfig":
+    def _a_checkpoint(cls, path: str | None) -> str | None:
+        if path is not None and not (Path(path) / "config.json").is_file():
+            raise ValueError(f"no checkpoint at {path} (a directory with config.json and model weights)")
+        return path
+
+    @classmethod
+    def from_yaml(cls, path: str | Path) -> TrainConfig:
         return cls.model_validate(yaml.safe_load(Path(path).read_text()) or {})
 
 

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import random
 
+import pytest
 import torch
+from pydantic import ValidationError
 
 from dms_runtime.base_train import ModelShape, OptimConfig, TrainConfig, train
 from dms_runtime.chain_data import difficulty_batch
@@ -56,3 +58,8 @@ def test_any_order_batches_hold_the_same_problems_in_other_words():
     prompts = (plain.labels == -100) & (plain.input_ids != tokenizer.pad_token_id)
     assert torch.equal(plain.input_ids[prompts], varied.input_ids[prompts])  # the same problems
     assert not torch.equal(plain.input_ids, varied.input_ids)  # written along other paths
+
+
+def test_init_from_must_name_a_checkpoint(tmp_path):
+    with pytest.raises(ValidationError, match="no checkpoint at"):
+        tiny_config(tmp_path / "run", init_from=str(tmp_path / "missing"))
