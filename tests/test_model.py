@@ -66,3 +66,16 @@ def test_sampled_threads_are_reproducible_whatever_the_batch(shipped):
     apart = generate_threads(model, tokenizer, prompts, 3, sampling, batch_size=1, progress=False)
     assert [t.text for t in together.threads] == [t.text for t in apart.threads]
     assert len({t.text for t in together.threads}) > 1
+
+
+def test_the_any_order_model_samples_several_valid_chains_of_thought():
+    from dms_runtime.loading import load_model
+
+    model, tokenizer = load_model(SHIPPED_MODEL.parent / "chain-qwen3-anyorder")
+    problem = generate_problem(random.Random(5), 6)
+    valid = {render_cot(problem, random.Random(seed)) for seed in range(200)}
+    result = generate_threads(model, tokenizer, [format_prompt(problem.text)], 8,
+                              SamplingParams(temperature=0.5, max_new_tokens=600, seed=3), progress=False)
+    texts = {t.text for t in result.threads}
+    assert sum(t.answer == problem.answer for t in result.threads) >= 6
+    assert len(texts & valid) >= 2  # at least two different valid paths among the sampled threads
