@@ -50,7 +50,7 @@ from dms_runtime.base_train import export
 from dms_runtime.chain_data import difficulty_batch, long_lived_mask, sample_lengths
 from dms_runtime.config import DMSConfig
 from dms_runtime.gates import build_gates
-from dms_runtime.labels import RoleLabels, far_attention_labels, left_window_mask, sampled_quantile
+from dms_runtime.labels import RoleLabels, eligible_mask, far_attention_labels, left_window_mask, sampled_quantile
 from dms_runtime.loading import load_model
 
 
@@ -188,8 +188,7 @@ def ratio_logits(decisions: list[torch.Tensor], row_ratio: torch.Tensor, lengths
     """The decision logits (every layer and head) of ratio ``ratio``'s rows, for the tokens that left the window."""
     stacked = torch.stack(decisions)  # [layers, B, kv, T]
     rows = (row_ratio == ratio).to(stacked.device)
-    eligible = left_window_mask(lengths.to(stacked.device), stacked.shape[-1], window) & rows[:, None]  # [B, T]
-    return stacked[eligible[None, :, None, :].expand_as(stacked)]
+    return stacked[eligible_mask(stacked, lengths, window) & rows[None, :, None, None]]
 
 
 def probe_pass(model, handle, row_gates: nn.ModuleList, batch, ratios: int) -> tuple[torch.Tensor, list, list]:
@@ -250,8 +249,8 @@ def plan_role_labels(model, handle, row_gates: nn.ModuleList, config: RetrofitCo
 
 def warm_start(model, handle, row_gates: nn.ModuleList, config: RetrofitConfig, tokenizer, fractions: list[float],
                roles: RoleLabels | None, quiet: bool) -> list[float]:
-    """Teach every ratio's gates to evict what the frozen model attends to least from beyond the window, each
-    at its eviction target (``fractions``); returns each ratio's eviction fraction as labelled (its target,
+    """Teach every ratio's gates its labels: ``roles``' when given, else what the frozen model attends to least
+    from beyond the window, each at its eviction target (``fractions``); returns each ratio's eviction fraction as labelled (its target,
     or less where bands were kept whole)."""
     labelled = [[0.0, 0.0] for _ in config.ratios]  # evicted, eligible: over the whole warm start
     optimizer = torch.optim.AdamW(row_gates.parameters(), lr=config.warmstart_lr, weight_decay=0.0)
