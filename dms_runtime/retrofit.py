@@ -47,7 +47,7 @@ from dms_runtime.adapters import adapter_path, save_adapter
 from dms_runtime.attach import attach_dms
 from dms_runtime.attention import shifted_decisions
 from dms_runtime.base_train import export
-from dms_runtime.chain_data import difficulty_batch, long_lived_mask, sample_lengths
+from dms_runtime.chain_data import Batch, difficulty_batch, long_lived_mask, sample_lengths
 from dms_runtime.config import DMSConfig
 from dms_runtime.gates import build_gates
 from dms_runtime.labels import RoleLabels, eligible_mask, far_attention_labels, left_window_mask, sampled_quantile
@@ -69,6 +69,9 @@ class RetrofitConfig(BaseModel):
     tokens_per_batch: int = Field(6000, gt=0)
     k_min: int = Field(1, ge=1)
     k_max: int = Field(20, le=24)
+    # The chain of thought the base model was trained on: with any_order (configs/train_anyorder.yaml) every
+    # commutative line takes its operands in either order, and the distillation data must do the same.
+    any_order: bool = False
     lr: float = Field(3e-4, gt=0)  # gates
     finetune_lr: float = Field(1e-4, gt=0)  # base weights, with full_finetune
     temperature: float = Field(0.1, gt=0)
@@ -143,6 +146,13 @@ def resolve_device(device: str) -> str:
     if device == "auto":
         return "cuda" if torch.cuda.is_available() else "cpu"
     return device
+
+
+def chain_batch(config: RetrofitConfig, tokenizer, offset: int, k_min: int | None = None,
+                k_max: int | None = None) -> Batch:
+    """The batch of seed ``offset`` (each use of batches has its own stream), drawn as the base model was trained."""
+    return difficulty_batch(tokenizer, random.Random(config.seed * 1_000_003 + offset), k_min or config.k_min,
+                            k_max or config.k_max, config.tokens_per_batch, config.any_order)
 
 
 def target_ratio(step: int, final: float, config: RetrofitConfig) -> float:
@@ -240,8 +250,7 @@ def plan_role_labels(model, handle, row_gates: nn.ModuleList, config: RetrofitCo
     one per difficulty (the eval's ratio weighs every problem, short or long, the same)."""
     probes = []
     for k in range(config.k_min, config.k_max + 1):
-        batch = difficulty_batch(tokenizer, random.Random(config.seed * 1_000_003 + 15_485_863 * k), k, k,
-                                 config.tokens_per_batch)
+        batch = chain_batch(config, tokenizer, 15_485_863 * k, k, k)
         _, far, _ = probe_pass(model, handle, row_gates, batch, len(config.ratios))
         probes.append(([f.float().cpu() for f in far], long_lived_mask(tokenizer, batch), batch.lengths))
     return RoleLabels.plan(probes, config.ratios, config.window)
@@ -256,8 +265,7 @@ def warm_start(model, handle, row_gates: nn.ModuleList, config: RetrofitConfig, 
     optimizer = torch.optim.AdamW(row_gates.parameters(), lr=config.warmstart_lr, weight_decay=0.0)
     bar = tqdm(range(config.warmstart_steps), desc="gate warm start", disable=quiet)
     for step in bar:
-        batch = difficulty_batch(tokenizer, random.Random(config.seed * 1_000_003 + 7_919 * (step + 1)), config.k_min,
-                                 config.k_max, config.tokens_per_batch)
+        batch = chain_batch(config, tokenizer, 7_919 * (step + 1))
         row_ratio, far, decisions = probe_pass(model, handle, row_gates, batch, len(config.ratios))
         loss, shown = gate_label_loss(config, tokenizer, batch, far, decisions, row_ratio, fractions, roles, labelled)
         optimizer.zero_grad(set_to_none=True)
@@ -277,8 +285,7 @@ def calibrate_offsets(model, handle, row_gates: nn.ModuleList, config: RetrofitC
     ratios = len(config.ratios)
     collected: list[list[torch.Tensor]] = [[] for _ in range(ratios)]
     for index in range(batches):
-        batch = difficulty_batch(tokenizer, random.Random(config.seed * 1_000_003 - 104_729 * (index + 1)), config.k_min,
-                                 config.k_max, config.tokens_per_batch)
+        batch = chain_batch(config, tokenizer, -104_729 * (index + 1))
         row_ratio, _, decisions = probe_pass(model, handle, row_gates, batch, ratios)
         for r in range(ratios):
             collected[r].append(ratio_logits(decisions, row_ratio, batch.lengths, config.window, r).detach().float().cpu())
@@ -386,8 +393,7 @@ def retrofit(config: RetrofitConfig, steps: int | None = None, quiet: bool = Fal
     for step in bar:
         targets = [target_ratio(step, final, config) for final in config.ratios]
         fraction_targets = warm_fractions or [eviction_target(t, dms.window, lengths) for t in targets]
-        batch = difficulty_batch(tokenizer, random.Random(config.seed * 1_000_003 + step), config.k_min, config.k_max,
-                                 config.tokens_per_batch)
+        batch = chain_batch(config, tokenizer, step)
         input_ids = batch.input_ids.to(device)
         groups = ratios + 1 if anchors else ratios
         row_ratio = torch.arange(len(input_ids)) % groups - (1 if anchors else 0)  # -1: an anchor row

@@ -367,6 +367,18 @@ def test_gate_warm_start_moves_the_gates_to_the_eviction_target(tmp_path):
     assert dms.init_offset != RetrofitConfig().init_offset  # the calibrated offset travels with the adapter
 
 
+def test_retrofit_batches_follow_the_base_models_chain_of_thought_order():
+    from dms_runtime.retrofit import chain_batch
+    from dms_runtime.tokenizer import build_tokenizer
+
+    tokenizer = build_tokenizer()
+    plain = RetrofitConfig(k_min=8, k_max=8, tokens_per_batch=1500)
+    varied = plain.model_copy(update={"any_order": True})
+    assert torch.equal(chain_batch(plain, tokenizer, 3).input_ids, chain_batch(plain, tokenizer, 3).input_ids)
+    assert not torch.equal(chain_batch(plain, tokenizer, 3).input_ids, chain_batch(varied, tokenizer, 3).input_ids)
+    assert chain_batch(varied, tokenizer, 3, 2, 2).k == 2
+
+
 def test_frozen_gates_need_full_finetuning():
     with pytest.raises(ValueError, match="freeze_gates needs full_finetune"):
         RetrofitConfig(freeze_gates=True)
