@@ -40,11 +40,12 @@ def test_greedy_solves_easy_problems(shipped):
 
 def test_greedy_output_is_the_trained_chain_of_thought(shipped):
     model, tokenizer = shipped
-    problem = generate_problem(random.Random(99), 2)
+    problem = generate_problem(random.Random(99), 4)
     result = generate_threads(
-        model, tokenizer, [format_prompt(problem.text)], 1, SamplingParams(max_new_tokens=300), progress=False
+        model, tokenizer, [format_prompt(problem.text)], 1, SamplingParams(max_new_tokens=400), progress=False
     )
-    assert result.threads[0].text == render_cot(problem)
+    valid = {render_cot(problem, random.Random(seed)) for seed in range(200)}  # any operand order of + and *
+    assert result.threads[0].text in valid
 
 
 def test_loop_matches_transformers_generate_greedy(shipped):
@@ -68,10 +69,8 @@ def test_sampled_threads_are_reproducible_whatever_the_batch(shipped):
     assert len({t.text for t in together.threads}) > 1
 
 
-def test_the_any_order_model_samples_several_valid_chains_of_thought():
-    from dms_runtime.loading import load_model
-
-    model, tokenizer = load_model(SHIPPED_MODEL.parent / "chain-qwen3-anyorder")
+def test_the_shipped_model_samples_several_valid_chains_of_thought(shipped):
+    model, tokenizer = shipped
     problem = generate_problem(random.Random(5), 6)
     valid = {render_cot(problem, random.Random(seed)) for seed in range(200)}
     result = generate_threads(model, tokenizer, [format_prompt(problem.text)], 8,
