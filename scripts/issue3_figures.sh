@@ -14,6 +14,7 @@ mkdir -p "$OUT" runs
 .venv/bin/thinkpool eval --problems runs/dms_k1-20.jsonl --workers 0 --json > "$OUT/vanilla_k1-20.json"
 .venv/bin/thinkpool eval --problems runs/dms_k1-20.jsonl --model "$DMS" --cr 1 2 4 8 --workers 0 --json \
   --plot "$OUT/dms_pareto.png" > "$OUT/dms_k1-20.json"
+.venv/bin/thinkpool eval --problems runs/farback_k12-20.jsonl --workers 0 --json > "$OUT/farback_vanilla.json"
 .venv/bin/thinkpool eval --problems runs/farback_k12-20.jsonl --model "$DMS" --cr 8 --workers 0 --json > "$OUT/farback_dms8.json"
 .venv/bin/thinkpool eval --problems runs/farback_k12-20.jsonl --model "$DMS" --cr 4 --workers 0 --json > "$OUT/farback_dms4.json"
 .venv/bin/thinkpool eval --problems runs/farback_k12-20.jsonl --press window streaming tova h2o knorm snapkv \
