@@ -6,7 +6,7 @@ cd "$(dirname "$0")/.."
 OUT=docs/results
 DMS=checkpoints/chain-qwen3-dms
 BUDGET=${BUDGET:-13.5MB}
-N_HARD=${N_HARD:-40}
+N_HARD=${N_HARD:-24}
 mkdir -p "$OUT" runs
 .venv/bin/thinkpool bench throughput --model "$DMS" --kv-budget "$BUDGET" --max-new-tokens 1000 --json \
   --plot "$OUT/throughput.png" > "$OUT/throughput.json"
