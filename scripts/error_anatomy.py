@@ -21,34 +21,26 @@ from __future__ import annotations
 import argparse
 import collections
 import json
-import random
 from pathlib import Path
 
 from dms_runtime.adapters import adapter_path, load_adapter
 from dms_runtime.loading import SHIPPED_MODEL, load_model
 from policies.extraction import answers_match
 from tasks.chain import parse_problem
-from tasks.cot import render_cot
+from tasks.cot import line_forms
 from tasks.prompt import format_prompt
 from workers.batch_generate import KVPolicy, SamplingParams, generate_threads
 
 WORK_LINE = ("header", "operands", "facts")
 
 
-def valid_lines(problem_text: str, orders: int = 64) -> list[set[str]]:
-    """Every valid form of each line of the chain of thought: the canonical one first tried, and those with the
-    operands of a + or * line swapped (any-order models write either; each line is swapped independently)."""
-    problem = parse_problem(problem_text)
-    renderings = [render_cot(problem)] + [render_cot(problem, random.Random(seed)) for seed in range(orders)]
-    return [set(lines) for lines in zip(*(r.split("\n") for r in renderings))]
-
-
-def first_error(text: str, reference: str, valid: list[set[str]] | None = None) -> dict | None:
-    """The first line where ``text`` leaves every valid path (``valid``; default: ``reference`` alone): its
-    index, the part that differs from the ``reference`` line, and both lines."""
-    for index, (got, want) in enumerate(zip(text.split("\n"), reference.split("\n"))):
-        if got == want or (valid is not None and got in valid[index]):
+def first_error(text: str, forms: list[list[str]]) -> dict | None:
+    """The first line where ``text`` leaves every valid path (``tasks.cot.line_forms``): its index, the part
+    that differs from the line's canonical form, and both lines."""
+    for index, (got, options) in enumerate(zip(text.split("\n"), forms)):
+        if got in options:
             continue
+        want = options[0]
         if "|" in want:  # a work line: header|operands|facts
             got_parts = (got.split("|") + ["", ""])[:3]
             part = next((name for name, a, b in zip(WORK_LINE, got_parts, want.split("|")) if a != b), "facts")
@@ -73,14 +65,13 @@ def main() -> None:
     model, tokenizer = load_model(args.model)
     kv = KVPolicy(dms=load_adapter(model, adapter_path(args.model, args.cr))) if args.cr > 1 else None
     prompts = [format_prompt(p["prompt"]) for p in problems]
-    references = [render_cot(parse_problem(p["prompt"])) for p in problems]
-    valid = [valid_lines(p["prompt"]) for p in problems]
+    forms = [line_forms(parse_problem(p["prompt"])) for p in problems]
     greedy = generate_threads(model, tokenizer, prompts, 1, SamplingParams(temperature=0), progress=False, kv=kv)
     failed = [t for t in greedy.threads if not answers_match(t.answer, problems[t.problem_index]["answer"])]
     report: dict = {"n": len(problems), "greedy_accuracy": 1 - len(failed) / max(1, len(problems)),
                     "first_error_parts": collections.Counter(), "failed": []}
     for thread in failed:
-        error = first_error(thread.text, references[thread.problem_index], valid[thread.problem_index])
+        error = first_error(thread.text, forms[thread.problem_index])
         report["first_error_parts"][error["part"] if error else "none"] += 1
         report["failed"].append({"problem": problems[thread.problem_index]["id"], "k": problems[thread.problem_index].get("k"),
                                  "answer": problems[thread.problem_index]["answer"], "greedy": thread.answer,
@@ -97,7 +88,7 @@ def main() -> None:
             entry["sampled_correct"] = sum(answers_match(t.answer, entry["answer"]) for t in threads)
             entry["sampled_answers"] = answers.most_common(4)
             entry["vote_fixes_it"] = answers_match(answers.most_common(1)[0][0], entry["answer"])
-            errors = (first_error(t.text, references[index], valid[index]) for t in threads)
+            errors = (first_error(t.text, forms[index]) for t in threads)
             entry["sampled_first_errors"] = collections.Counter(
                 f"line {e['line']} {e['part']}" if e else "none" for e in errors).most_common(4)
         report["vote_fixes"] = sum(entry["vote_fixes_it"] for entry in report["failed"])

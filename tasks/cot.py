@@ -66,19 +66,36 @@ def derived_line(a: Assignment, values: dict[str, int]) -> str:
     return f"{a.var}={a.y}{a.op}{a.z}|{a.y}:{left:02d}{a.op}{a.z}:{right:02d}|{facts}"
 
 
+def line_forms(problem: Problem) -> list[list[str]]:
+    """Every valid form of each line of the chain of thought, the canonical one first: a ``+`` or ``*`` line of
+    two different operands may also take them in the other order (``r=p+h|p:22+h:00|...`` for ``r=h+p``)."""
+    values = problem.values
+    forms = []
+    for a in problem.assignments:
+        if not a.is_input:
+            line = [derived_line(a, values)]
+            if a.op in COMMUTATIVE and a.y != a.z:
+                line.append(derived_line(dataclasses.replace(a, y=a.z, z=a.y), values))
+            forms.append(line)
+        forms.append([f"{a.var}:{values[a.var]:02d}"])
+    forms.append([f"#{problem.answer}"])
+    return forms
+
+
 def render_cot(problem: Problem, order_rng: random.Random | None = None) -> str:
     """The complete target completion for a problem, ending with ``#<answer>``.
 
-    With ``order_rng``, each ``+`` or ``*`` line of two different operands is written in either order at random
-    (``r=p+h|p:22+h:00|...`` for ``r=h+p``): a chain of thought with many valid paths to one answer, so that
-    sampled threads do not all share the greedy thread's weak steps (see ``scripts/error_anatomy.py``)."""
-    values = problem.values
+    With ``order_rng``, each line with two forms (``line_forms``) is written in either at random: a chain of
+    thought with many valid paths to one answer, so that sampled threads do not all share the greedy thread's
+    weak steps (see ``scripts/error_anatomy.py``)."""
     lines = []
-    for a in problem.assignments:
-        if not a.is_input:
-            if order_rng is not None and a.op in COMMUTATIVE and a.y != a.z and order_rng.random() < 0.5:
-                a = dataclasses.replace(a, y=a.z, z=a.y)
-            lines.append(derived_line(a, values))
-        lines.append(f"{a.var}:{values[a.var]:02d}")
-    lines.append(f"#{problem.answer}")
+    for forms in line_forms(problem):
+        swap = len(forms) > 1 and order_rng is not None and order_rng.random() < 0.5
+        lines.append(forms[1] if swap else forms[0])
     return "\n".join(lines)
+
+
+def is_valid_cot(text: str, problem: Problem) -> bool:
+    """Whether ``text`` is one of the problem's valid chains of thought (any operand order of ``+`` and ``*``)."""
+    lines, forms = text.split("\n"), line_forms(problem)
+    return len(lines) == len(forms) and all(line in options for line, options in zip(lines, forms))

@@ -6,7 +6,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from dms_runtime.loading import SHIPPED_MODEL, kv_geometry
 from tasks.chain import generate_problem, generate_suite
-from tasks.cot import render_cot
+from tasks.cot import is_valid_cot
 from tasks.prompt import format_prompt
 from workers.batch_generate import SamplingParams, generate_threads
 
@@ -44,8 +44,7 @@ def test_greedy_output_is_the_trained_chain_of_thought(shipped):
     result = generate_threads(
         model, tokenizer, [format_prompt(problem.text)], 1, SamplingParams(max_new_tokens=400), progress=False
     )
-    valid = {render_cot(problem, random.Random(seed)) for seed in range(200)}  # any operand order of + and *
-    assert result.threads[0].text in valid
+    assert is_valid_cot(result.threads[0].text, problem)  # any operand order of + and *
 
 
 def test_loop_matches_transformers_generate_greedy(shipped):
@@ -72,9 +71,8 @@ def test_sampled_threads_are_reproducible_whatever_the_batch(shipped):
 def test_the_shipped_model_samples_several_valid_chains_of_thought(shipped):
     model, tokenizer = shipped
     problem = generate_problem(random.Random(5), 6)
-    valid = {render_cot(problem, random.Random(seed)) for seed in range(200)}
     result = generate_threads(model, tokenizer, [format_prompt(problem.text)], 8,
                               SamplingParams(temperature=0.5, max_new_tokens=600, seed=3), progress=False)
     texts = {t.text for t in result.threads}
     assert sum(t.answer == problem.answer for t in result.threads) >= 6
-    assert len(texts & valid) >= 2  # at least two different valid paths among the sampled threads
+    assert sum(is_valid_cot(text, problem) for text in texts) >= 2  # at least two different valid paths
