@@ -28,7 +28,8 @@ def vote_accuracy(answers: list[str | None], expected: str, n: int, rng: random.
 
 
 async def calibrate(pool, bins: list[tuple[int, int]], ratios: list[float], problems: int, threads: int,
-                    max_new_tokens: int, temperature: float, seed: int, model: str, window: int, progress=print) -> CalibrationProfile:
+                    max_new_tokens: int, temperature: float, seed: int, model: str, window: int, top_p: float = 1.0,
+                    progress=print) -> CalibrationProfile:
     rng = random.Random(seed)
     counts = [n for n in (1, 2, 4, 8, 16, 32, 64, 128) if n <= threads]
     entries: list[ProfileEntry] = []
@@ -37,7 +38,7 @@ async def calibrate(pool, bins: list[tuple[int, int]], ratios: list[float], prob
         for cr in ratios:
             requests = [
                 ProblemRequest(f"calibrate-{low}-{cr:g}-{i}", format_prompt(p["prompt"]), tuple(range(threads)),
-                               SamplingParams(temperature, 1.0, max_new_tokens, seed * 7919 + i), cr)
+                               SamplingParams(temperature, top_p, max_new_tokens, seed * 7919 + i), cr)
                 for i, p in enumerate(suite)
             ]
             greedy_requests = [
@@ -57,4 +58,5 @@ async def calibrate(pool, bins: list[tuple[int, int]], ratios: list[float], prob
                                             tokens_per_thread=sum(tokens) / len(tokens)))
             progress(f"k {low}-{high} at {cr:g}x: " + ", ".join(f"{'greedy' if e.greedy else f'vote@{e.threads}'} {e.accuracy:.2f}"
                                                             for e in entries[-len(counts) - 1:]))
-    return CalibrationProfile(model=model, max_new_tokens=max_new_tokens, temperature=temperature, window=window, entries=entries)
+    return CalibrationProfile(model=model, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, window=window,
+                              entries=entries)

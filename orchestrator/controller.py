@@ -104,8 +104,10 @@ class Controller:
         self.pool, self.profile, self.tokenizer = pool, profile, tokenizer
         self.kv_bytes_per_token = kv_bytes_per_token
         self.ratios = sorted(ratios)
-        # Sampled threads run at the profile's temperature unless told otherwise: its accuracies hold only there.
+        # Sampled threads run at the profile's temperature and nucleus unless told otherwise: its accuracies hold
+        # only there.
         self.temperature = profile.temperature if temperature is None else temperature
+        self.top_p = profile.top_p
         self.first_round, self.threshold, self.weighting = first_round, threshold, weighting
         # -0.5: on 60 fresh k=1..20 problems (seed 7001, the shipped DMS model at CR 1), the greedy threads whose
         # every token had log-probability >= -0.5 (28 of 60) were 96% right; the other 32, 75%.
@@ -182,7 +184,7 @@ class Controller:
     async def run_chunk(self, chunk: ChunkState) -> dict:
         request = ProblemRequest(
             f"{chunk['task_id']}:{chunk['samples'][0]}", format_prompt(chunk["prompt"]), tuple(chunk["samples"]),
-            SamplingParams(chunk["temperature"], 1.0, chunk["max_new_tokens"], chunk["seed"]), chunk["cr"],
+            SamplingParams(chunk["temperature"], self.top_p, chunk["max_new_tokens"], chunk["seed"]), chunk["cr"],
         )
         if self.allocator is None:
             results = await self.pool.collect(request)

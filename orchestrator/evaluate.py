@@ -75,7 +75,9 @@ def evaluate(
 
 
 def problem_record(problem: dict, threads: list) -> dict:
-    """One problem's outcome from its threads (anything with ``answer``, ``tokens`` and ``realized_cr``)."""
+    """One problem's outcome from its threads (anything with ``answer``, ``tokens``, ``mean_logprob``,
+    ``min_logprob`` and ``realized_cr``); each thread's answer and confidence are kept, so that other
+    aggregations can be scored on the same threads later."""
     vote = majority_vote([t.answer for t in threads])
     return {
         "id": problem["id"],
@@ -88,6 +90,8 @@ def problem_record(problem: dict, threads: list) -> dict:
         "thread_accuracy": sum(answers_match(t.answer, problem["answer"]) for t in threads) / max(1, len(threads)),
         "tokens": sum(t.tokens for t in threads),
         "realized_cr": sum(t.realized_cr for t in threads) / max(1, len(threads)),
+        "threads": [{"answer": t.answer, "tokens": t.tokens, "mean_logprob": round(t.mean_logprob, 5),
+                     "min_logprob": round(t.min_logprob, 5)} for t in threads],
     }
 
 

@@ -33,6 +33,7 @@ class CalibrationProfile(BaseModel):
     model: str
     max_new_tokens: int
     temperature: float
+    top_p: float = 1.0  # nucleus of the sampled threads (profiles measured before it was recorded: 1.0)
     window: int = 16
     entries: list[ProfileEntry]
 

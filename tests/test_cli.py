@@ -134,9 +134,10 @@ def test_calibrate_writes_a_profile_with_votes_and_a_greedy_entry_per_bin(tmp_pa
 
     out = tmp_path / "profile.json"
     done = thinkpool("calibrate", "--bins", "1-2", "3-4", "--cr", "1", "--problems", "2", "--threads", "2",
-                     "--max-new-tokens", "200", "--workers", "0", "--output", str(out))
+                     "--max-new-tokens", "200", "--top-p", "0.9", "--workers", "0", "--output", str(out))
     assert done.returncode == 0, done.stderr
     profile = CalibrationProfile.load(out)
+    assert profile.top_p == 0.9  # the controller samples as the profile was measured
     for k in (1, 3):
         entries = profile.entries_for(k)
         assert sorted((e.threads, e.greedy) for e in entries) == [(1, False), (1, True), (2, False)]

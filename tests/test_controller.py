@@ -103,14 +103,15 @@ HARD = "a=76;b=53;c=28;d=18;e=16;f=35;g=d*b;h=e+e;i=g+a;j=d-a;k=a*j;l=k*c;m=c-e;
 
 def test_an_unsure_greedy_thread_is_followed_by_sampled_ones_that_settle_the_answer():
     pool = ScriptedPool(lambda i: "5")
-    calibrated_at = profile().model_copy(update={"temperature": 0.6})  # sampled threads run at the profile's temperature
+    # sampled threads run at the profile's temperature and nucleus
+    calibrated_at = profile().model_copy(update={"temperature": 0.6, "top_p": 0.9})
     state = asyncio.run(Controller(pool, calibrated_at, build_tokenizer(), KV_PER_TOKEN, [1, 4, 8]).solve(
         "task", HARD, Budget(kv_budget_bytes=10**9)))
     assert state["stop_reason"] == "settled" and state["answer"] == "5" and len(state["threads"]) == 5
     assert state["cr"] == 8 and [e["event"] for e in state["rounds"]] == ["plan", "round", "escalate", "round"]
     first, second = pool.requests
     assert first.samples == (0,) and first.params.temperature == 0.0  # the greedy thread
-    assert second.samples == (1, 2, 3, 4) and second.params.temperature == 0.6
+    assert second.samples == (1, 2, 3, 4) and (second.params.temperature, second.params.top_p) == (0.6, 0.9)
 
 
 def test_a_confident_greedy_thread_is_the_answer():

@@ -36,6 +36,7 @@ class ThreadOutput:
     answer: str | None
     mean_logprob: float
     realized_cr: float = 1.0  # tokens processed / tokens held per head at the thread's end
+    min_logprob: float = 0.0  # the least likely token chosen (as the engine's ThreadResult)
 
 
 @dataclass
@@ -127,6 +128,7 @@ def _decode(model, tokenizer, prompts, threads, sampling, on_finish, kv: KVPolic
     live = list(range(len(threads)))
     tokens: list[list[int]] = [[] for _ in threads]
     logprob_sums = [0.0] * len(threads)
+    logprob_mins = [0.0] * len(threads)
     outputs: list[ThreadOutput | None] = [None] * len(threads)
     peak = cache_bytes(cache)
     eos = tokenizer.eos_token_id
@@ -142,6 +144,7 @@ def _decode(model, tokenizer, prompts, threads, sampling, on_finish, kv: KVPolic
                 continue
             token = int(chosen[row])
             logprob_sums[thread] += float(logprobs[row])
+            logprob_mins[thread] = min(logprob_mins[thread], float(logprobs[row]))
             if token != eos:
                 tokens[thread].append(token)
             if token == eos or len(tokens[thread]) >= sampling.max_new_tokens:
@@ -150,7 +153,7 @@ def _decode(model, tokenizer, prompts, threads, sampling, on_finish, kv: KVPolic
                 problem, sample = threads[thread]
                 outputs[thread] = ThreadOutput(
                     problem, sample, text, count, extract_chain_answer(text), logprob_sums[thread] / count,
-                    realized_cr=float(compression[row]),
+                    realized_cr=float(compression[row]), min_logprob=logprob_mins[thread],
                 )
                 if on_finish is not None:
                     on_finish(outputs[thread])

@@ -24,7 +24,7 @@ def cmd_calibrate(args, parser) -> int:
     if adapters:
         window = json.loads(adapters[0].read_text())["dms_config"]["window"]
     profile = asyncio.run(calibrate(pool, args.bins, ratios, args.problems, args.threads, args.max_new_tokens,
-                                    args.temperature, args.seed, str(model_dir), window,
+                                    args.temperature, args.seed, str(model_dir), window, args.top_p,
                                     progress=lambda line: print(line, file=sys.stderr)))
     pool.shutdown()
     print(f"profile: {profile.save(args.output)}")
