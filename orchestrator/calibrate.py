@@ -58,5 +58,5 @@ async def calibrate(pool, bins: list[tuple[int, int]], ratios: list[float], prob
                                             tokens_per_thread=sum(tokens) / len(tokens)))
             progress(f"k {low}-{high} at {cr:g}x: " + ", ".join(f"{'greedy' if e.greedy else f'vote@{e.threads}'} {e.accuracy:.2f}"
                                                             for e in entries[-len(counts) - 1:]))
-    return CalibrationProfile(model=model, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, window=window,
-                              entries=entries)
+    return CalibrationProfile(model=model, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, problems=problems,
+                              window=window, entries=entries)

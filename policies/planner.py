@@ -4,7 +4,9 @@ A profile (measured by ``thinkpool calibrate``, stored as JSON in ``configs/``) 
 and ratio, the vote accuracy of n sampled threads (n = 1, 2, 4, ...), the accuracy of one greedy thread
 (``greedy`` entries), and the mean tokens per thread. The planner picks, among the configurations whose
 KV reservation fits the task's budget, the most accurate one; among those within ``tolerance`` of it, the
-one with the fewest threads (so the fewest tokens), then the most accurate. A greedy thread often beats a
+one with the fewest threads (so the fewest tokens), then the lowest ratio, then the most accurate. "Within" widens with the
+profile's noise: a profile measured on 16 problems per bin cannot tell 0.94 from 1.00, and the planner must
+not trade one greedy thread for sixteen sampled ones on such a difference. A greedy thread often beats a
 vote of a few sampled ones (sampling trades each thread's accuracy for diversity), so "one greedy thread"
 is a plan like any other. Expected accuracy per added thread also ranks tasks competing for the same
 workers.
@@ -13,6 +15,7 @@ workers.
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -34,6 +37,7 @@ class CalibrationProfile(BaseModel):
     max_new_tokens: int
     temperature: float
     top_p: float = 1.0  # nucleus of the sampled threads (profiles measured before it was recorded: 1.0)
+    problems: int | None = Field(None, ge=1)  # fresh problems per bin behind each entry (None: not recorded)
     window: int = 16
     entries: list[ProfileEntry]
 
@@ -58,6 +62,14 @@ class CalibrationProfile(BaseModel):
     def entries_for(self, k: int | None) -> list[ProfileEntry]:
         low, high = self.bin_of(k)
         return [e for e in self.entries if (e.k_min, e.k_max) == (low, high)]
+
+    def standard_error(self, accuracy: float) -> float:
+        """How far an entry's accuracy may be off, measured on ``problems`` problems (0 when unrecorded). The
+        rate is smoothed (one success and one failure added), so 16 of 16 is not taken for certainty."""
+        if not self.problems:
+            return 0.0
+        rate = (accuracy * self.problems + 1) / (self.problems + 2)
+        return math.sqrt(rate * (1 - rate) / self.problems)
 
     def accuracy(self, k: int | None, cr: float, threads: int) -> float:
         """Expected vote accuracy of ``threads`` threads at ``cr`` (the nearest measured count at or below)."""
@@ -102,9 +114,14 @@ def plan(profile: CalibrationProfile, k: int | None, kv_budget_bytes: int, threa
     if not options:
         cheapest = min(thread_bytes(cr) for cr in ratios)
         raise ValueError(f"kv_budget: {kv_budget_bytes} bytes cannot hold one thread (the smallest needs {cheapest} bytes)")
-    best = max(e.accuracy for e in options)
-    # Fewest threads first (a thread costs about the same tokens at any ratio, and its tokens_per_thread is
-    # measured on few problems: comparing those would let noise pick a sampled thread over an equal greedy one).
-    chosen = min((e for e in options if e.accuracy >= best - tolerance), key=lambda e: (e.threads, -e.accuracy, e.tokens_per_thread))
+    best = max(options, key=lambda e: e.accuracy)
+
+    def as_good(entry: ProfileEntry) -> bool:  # indistinguishable from the best, given the profile's noise
+        noise = math.hypot(profile.standard_error(best.accuracy), profile.standard_error(entry.accuracy))
+        return entry.accuracy >= best.accuracy - max(tolerance, noise)
+
+    # Fewest threads first (a thread costs about the same tokens at any ratio), then the lowest ratio: among
+    # options the profile cannot tell apart, compression only adds risk once the threads fit.
+    chosen = min(filter(as_good, options), key=lambda e: (e.threads, e.cr, -e.accuracy))
     return Plan(chosen.cr, chosen.threads, chosen.greedy, profile.max_new_tokens, chosen.accuracy,
                 chosen.threads * chosen.tokens_per_thread)

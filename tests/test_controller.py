@@ -80,6 +80,18 @@ def test_planner_plans_one_greedy_thread_when_no_vote_is_expected_to_beat_it():
     assert p.accuracy_with_greedy(18, 1, 5) == 0.7 and p.accuracy_with_greedy(18, 8, 17) == 0.8
 
 
+def test_planner_does_not_trade_a_greedy_thread_for_a_vote_the_profile_cannot_resolve():
+    p = profile()
+    p.entries += [ProfileEntry(k_min=11, k_max=20, cr=cr, threads=1, greedy=True, accuracy=0.7, tokens_per_thread=2000)
+                  for cr in (1, 8)]
+    per_thread = {1: 400 * KV_PER_TOKEN, 4: 120 * KV_PER_TOKEN, 8: 60 * KV_PER_TOKEN}
+    measured_on = {n: plan(p.model_copy(update={"problems": n}), 18, 10**9, per_thread.get, [1, 4, 8]) for n in (16, 400)}
+    # 0.8 against 0.7 is 1.6 problems in 16: one greedy thread, uncompressed (the lowest of the equal ratios)
+    assert (measured_on[16].cr, measured_on[16].threads, measured_on[16].greedy) == (1, 1, True)
+    assert (measured_on[400].cr, measured_on[400].threads) == (8, 16)  # on 400 problems the vote's 10 points are real
+    assert p.model_copy(update={"problems": 16}).standard_error(1.0) > 0.05  # 16 of 16 is not certainty
+
+
 class ScriptedPool:
     """Workers that answer from a script (sample index -> answer): for the graph's routing only. Every thread
     reports ``min_logprob`` as its least likely token (default: an unsure greedy thread)."""
