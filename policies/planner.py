@@ -4,10 +4,10 @@ A profile (measured by ``thinkpool calibrate``, stored as JSON in ``configs/``) 
 and ratio, the vote accuracy of n sampled threads (n = 1, 2, 4, ...), the accuracy of one greedy thread
 (``greedy`` entries), and the mean tokens per thread. The planner picks, among the configurations whose
 KV reservation fits the task's budget, the most accurate one; among those within ``tolerance`` of it, the
-one with the fewest threads (so the fewest tokens), then the lowest ratio, then the most accurate. "Within" widens with the
-profile's noise: a profile measured on 16 problems per bin cannot tell 0.94 from 1.00, and the planner must
-not trade one greedy thread for sixteen sampled ones on such a difference. A greedy thread often beats a
-vote of a few sampled ones (sampling trades each thread's accuracy for diversity), so "one greedy thread"
+one with the fewest threads (so the fewest tokens), then the lowest ratio, then greedy, then the most
+accurate. "Within" widens with the profile's noise: a profile measured on 16 problems per bin cannot tell
+0.94 from 1.00, and the planner must not trade one greedy thread for sixteen sampled ones on such a
+difference. A greedy thread often beats a vote of a few sampled ones (sampling trades each thread's accuracy for diversity), so "one greedy thread"
 is a plan like any other. Expected accuracy per added thread also ranks tasks competing for the same
 workers.
 """
@@ -121,7 +121,8 @@ def plan(profile: CalibrationProfile, k: int | None, kv_budget_bytes: int, threa
         return entry.accuracy >= best.accuracy - max(tolerance, noise)
 
     # Fewest threads first (a thread costs about the same tokens at any ratio), then the lowest ratio: among
-    # options the profile cannot tell apart, compression only adds risk once the threads fit.
-    chosen = min(filter(as_good, options), key=lambda e: (e.threads, e.cr, -e.accuracy))
+    # options the profile cannot tell apart, compression only adds risk once the threads fit; then a greedy
+    # thread over one sampled thread.
+    chosen = min(filter(as_good, options), key=lambda e: (e.threads, e.cr, not e.greedy, -e.accuracy))
     return Plan(chosen.cr, chosen.threads, chosen.greedy, profile.max_new_tokens, chosen.accuracy,
                 chosen.threads * chosen.tokens_per_thread)
