@@ -104,8 +104,8 @@ class Controller:
         self.pool, self.profile, self.tokenizer = pool, profile, tokenizer
         self.kv_bytes_per_token = kv_bytes_per_token
         self.ratios = sorted(ratios)
-        # Sampled threads run at the profile's temperature and nucleus unless told otherwise: its accuracies hold
-        # only there.
+        # Sampled threads run at the profile's nucleus and (unless told otherwise) its temperature: its accuracies
+        # hold only there.
         self.temperature = profile.temperature if temperature is None else temperature
         self.top_p = profile.top_p
         self.first_round, self.threshold, self.weighting = first_round, threshold, weighting

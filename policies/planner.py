@@ -7,9 +7,9 @@ KV reservation fits the task's budget, the most accurate one; among those within
 one with the fewest threads (so the fewest tokens), then the lowest ratio, then greedy, then the most
 accurate. "Within" widens with the profile's noise: a profile measured on 16 problems per bin cannot tell
 0.94 from 1.00, and the planner must not trade one greedy thread for sixteen sampled ones on such a
-difference. A greedy thread often beats a vote of a few sampled ones (sampling trades each thread's accuracy for diversity), so "one greedy thread"
-is a plan like any other. Expected accuracy per added thread also ranks tasks competing for the same
-workers.
+difference. A greedy thread often beats a vote of a few sampled ones (sampling trades each thread's
+accuracy for diversity), so "one greedy thread" is a plan like any other. Expected accuracy per added
+thread also ranks tasks competing for the same workers.
 """
 
 from __future__ import annotations
