@@ -21,6 +21,7 @@ from tqdm import tqdm
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
 from dms_runtime.chain_data import IGNORE, difficulty_batch
+from dms_runtime.precision import autocast
 from dms_runtime.tokenizer import build_tokenizer
 
 
@@ -152,8 +153,7 @@ def train(config: TrainConfig, steps: int | None = None, quiet: bool = False) ->
         input_ids, labels = input_ids.to(device), labels.to(device)
         for group in optimizer.param_groups:
             group["lr"] = lr_at(step, config.optim)
-        # bf16 autocast: about 2.5x faster on CPUs with AVX512-BF16, weights and optimizer stay fp32.
-        with torch.autocast(input_ids.device.type, dtype=torch.bfloat16):
+        with autocast(input_ids.device):  # bf16 only where the hardware has it (dms_runtime/precision.py)
             logits = model(input_ids=input_ids).logits[:, :-1].float()
         targets = labels[:, 1:]
         loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1), ignore_index=IGNORE)

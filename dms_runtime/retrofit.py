@@ -52,6 +52,7 @@ from dms_runtime.config import DMSConfig
 from dms_runtime.gates import build_gates
 from dms_runtime.labels import RoleLabels, eligible_mask, far_attention_labels, left_window_mask, sampled_quantile
 from dms_runtime.loading import load_model
+from dms_runtime.precision import autocast
 
 
 class RetrofitConfig(BaseModel):
@@ -208,7 +209,7 @@ def probe_pass(model, handle, row_gates: nn.ModuleList, batch, ratios: int) -> t
     row_ratio = torch.arange(len(batch.input_ids)) % ratios
     for gates in row_gates:
         gates.row_ratio = row_ratio
-    with handle.mode("probe"), torch.autocast(device.type, dtype=torch.bfloat16):
+    with handle.mode("probe"), autocast(device):
         with torch.no_grad():
             model(input_ids=batch.input_ids.to(device), use_cache=False)
         far = handle.far_attentions()
@@ -399,12 +400,12 @@ def retrofit(config: RetrofitConfig, steps: int | None = None, quiet: bool = Fal
         row_ratio = torch.arange(len(input_ids)) % groups - (1 if anchors else 0)  # -1: an anchor row
         for gates in row_gates:
             gates.row_ratio = row_ratio
-        with torch.no_grad(), torch.autocast(device, dtype=torch.bfloat16), \
+        with torch.no_grad(), autocast(device), \
                 (teacher_handle.mode("probe") if supervised else handle.mode("off")):
             teacher_logits = teacher(input_ids=input_ids, use_cache=False).logits
             far = teacher_handle.far_attentions() if supervised else []
         handle.set_mode("train")
-        with torch.autocast(device, dtype=torch.bfloat16):
+        with autocast(device):
             student_logits = model(input_ids=input_ids, use_cache=False).logits
         mask = batch.loss_mask.to(device)
         teacher_logp = torch.log_softmax(teacher_logits[mask].float(), dim=-1)
