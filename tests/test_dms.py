@@ -6,7 +6,7 @@ from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCau
 
 from dms_runtime.adapters import AdapterError, load_adapter, read_adapter_metadata, save_adapter
 from dms_runtime.attach import attach_dms
-from dms_runtime.attention import eviction_bias, shifted_decisions
+from dms_runtime.attention import LayerState, _explicit_attention, _train_attention, eviction_bias, shifted_decisions, straight_through_alpha
 from dms_runtime.config import DMSConfig
 from dms_runtime.gates import build_gates
 from dms_runtime.retrofit import RetrofitConfig, target_ratio
@@ -44,6 +44,28 @@ def test_training_bias_matches_a_direct_construction():
                 for j in range(10):
                     expected = -1e9 if (i - j > window and alpha[b, h, j] == 1) else 0.0
                     assert bias[b, h, i, j].item() == pytest.approx(expected)
+
+
+def test_training_attention_gives_the_written_out_attention_and_its_gate_gradients():
+    """The training path (SDPA with the eviction bias as a float mask) against the attention written out."""
+    torch.manual_seed(0)
+    batch, heads, kv_heads, length, dim, window = 2, 4, 2, 12, 8, 3
+    query, key, value = (torch.randn(batch, h, length, dim) for h in (heads, kv_heads, kv_heads))
+    results = []
+    for path in ("sdpa", "explicit"):
+        logits = torch.linspace(-4, 4, batch * length * kv_heads).view(batch, length, kv_heads).requires_grad_()
+        state = LayerState(mode="train", window=window, noise=False, logits=logits)
+        if path == "sdpa":
+            out, _ = _train_attention(None, state, query, key, value, None, None)
+        else:
+            alpha = straight_through_alpha(shifted_decisions(logits), state.temperature, noise=False)
+            causal = torch.ones(length, length, dtype=torch.bool).tril()[None, None]
+            out, _ = _explicit_attention(query, key, value, causal, None, eviction_bias(alpha, length, window))
+        out.square().sum().backward()
+        results.append((out.detach(), logits.grad))
+    (out_a, grad_a), (out_b, grad_b) = results
+    assert torch.allclose(out_a, out_b, atol=1e-5)
+    assert grad_b.abs().sum() > 0 and torch.allclose(grad_a, grad_b, atol=1e-4)
 
 
 def test_decision_about_a_token_comes_from_the_next_position():
