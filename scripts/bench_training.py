@@ -1,0 +1,90 @@
+"""Side-by-side timings of the training paths, printed as one JSON object.
+
+    .venv/bin/python scripts/bench_training.py [--repeats 3] [--tokens 6000]
+
+- precision: a forward and backward pass of the shipped model over ``--tokens`` tokens of hard chain-task
+  examples, in fp32 and under bf16 autocast (which ``dms_runtime/precision.py`` enables only where the CPU
+  computes bf16 natively);
+- attention: DMS training attention over one batch of that shape, written out (``_explicit_attention``)
+  and through SDPA with the eviction bias as a float mask (what ``_train_attention`` does).
+Each pair alternates runs, so that the noise of a shared machine falls on both; compare the ratios.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import time
+
+import torch
+
+from dms_runtime.attention import LayerState, _explicit_attention, _train_attention, eviction_bias, shifted_decisions, straight_through_alpha
+from dms_runtime.chain_data import difficulty_batch
+from dms_runtime.loading import load_model
+from dms_runtime.precision import cpu_has_native_bf16
+
+
+def timed(step) -> float:
+    began = time.perf_counter()
+    step()
+    return time.perf_counter() - began
+
+
+def alternate(steps: dict, repeats: int) -> dict[str, float]:
+    for step in steps.values():  # warm-up
+        step()
+    times: dict[str, list[float]] = {name: [] for name in steps}
+    for _ in range(repeats):
+        for name, step in steps.items():
+            times[name].append(timed(step))
+    return {name: statistics.median(values) for name, values in times.items()}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--tokens", type=int, default=6000)
+    args = parser.parse_args()
+    model, tokenizer = load_model()
+    batch = difficulty_batch(tokenizer, random.Random(3), 18, 18, args.tokens)
+
+    def model_step(bf16: bool):
+        def step():
+            model.zero_grad(set_to_none=True)
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+                logits = model(input_ids=batch.input_ids, use_cache=False).logits
+            torch.log_softmax(logits.float(), -1).mean().backward()
+        return step
+
+    precision = alternate({"fp32": model_step(False), "bf16_autocast": model_step(True)}, args.repeats)
+
+    config = model.config
+    rows, length = batch.input_ids.shape
+    kv_heads, heads, dim = config.num_key_value_heads, config.num_attention_heads, config.head_dim
+    query, key, value = (torch.randn(rows, h, length, dim, requires_grad=True) for h in (heads, kv_heads, kv_heads))
+    logits = torch.randn(rows, length, kv_heads, requires_grad=True)
+    causal = torch.ones(length, length, dtype=torch.bool).tril()[None, None]
+
+    def sdpa():
+        state = LayerState(mode="train", window=32, logits=logits)
+        _train_attention(None, state, query, key, value, None, None)[0].sum().backward()
+
+    def explicit():
+        alpha = straight_through_alpha(shifted_decisions(logits), 0.1)
+        _explicit_attention(query, key, value, causal, None, eviction_bias(alpha, length, 32))[0].sum().backward()
+
+    attention = alternate({"sdpa": sdpa, "explicit": explicit}, args.repeats)
+    print(json.dumps({
+        "cpu_native_bf16": cpu_has_native_bf16(), "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        "batch": {"rows": rows, "length": length, "tokens": int(batch.lengths.sum())}, "repeats": args.repeats,
+        "precision_s": {name: round(value, 3) for name, value in precision.items()},
+        "bf16_over_fp32": round(precision["bf16_autocast"] / precision["fp32"], 2),
+        "attention_s": {name: round(value, 3) for name, value in attention.items()},
+        "explicit_over_sdpa": round(attention["explicit"] / attention["sdpa"], 2),
+    }, indent=1))
+
+
+if __name__ == "__main__":
+    main()
