@@ -43,7 +43,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from torch import nn
 from tqdm import tqdm
 
-from dms_runtime.adapters import adapter_path, save_adapter
+from dms_runtime.adapters import adapter_path, load_gates, read_adapter_metadata, save_adapter
 from dms_runtime.attach import attach_dms
 from dms_runtime.attention import shifted_decisions
 from dms_runtime.base_train import export
@@ -103,6 +103,9 @@ class RetrofitConfig(BaseModel):
     # solves of fresh problems (seeded by threshold_seed; see orchestrator.thresholds); 0 keeps threshold 0.
     threshold_problems: int = Field(0, ge=0)
     threshold_seed: int = 9001
+    # A finished run's output directory (its weights, with full fine-tuning, and every ratio's adapter): training
+    # goes on from there, with a fresh optimizer, up to total_steps. A longer run without repeating its warm start.
+    continue_from: str | None = None
     seed: int = 0
     device: str = "auto"  # auto = cuda when available (weights in bf16 there), else cpu
     checkpoint_every: int = Field(25, gt=0)
@@ -377,6 +380,12 @@ def retrofit(config: RetrofitConfig, steps: int | None = None, quiet: bool = Fal
         if config.full_finetune:
             model.load_state_dict(state["model"])
         start = state["step"]
+    elif config.continue_from:
+        if config.warmstart_labels == "cot_roles":  # planned on the base weights, as the run being continued did
+            roles = plan_role_labels(model, handle, row_gates, config, tokenizer)
+        start, warm_fractions, label_thresholds = continue_from_export(model, per_ratio, config)
+        if roles is not None:
+            roles.thresholds = label_thresholds  # what its labels were: the plan repeated on other hardware may round apart
     end = min(config.total_steps, start + steps) if steps is not None else config.total_steps
     lengths = sample_lengths(tokenizer, config.k_min, config.k_max)
     label_fractions = [eviction_target(final, dms.window, lengths) for final in config.ratios]  # the labels' targets
@@ -455,20 +464,55 @@ def retrofit(config: RetrofitConfig, steps: int | None = None, quiet: bool = Fal
     if end == config.total_steps:
         if config.full_finetune:
             export_weights(model, tokenizer, out_dir)
-        for index, (final, fraction_target, gates) in enumerate(
-                zip(config.ratios, fraction_targets if end > start else [0.0] * ratios, per_ratio)):
+        # A resumed run with no steps left (finishing a stopped one) exports what its state held.
+        held = fraction_targets if end > start else (warm_fractions or label_fractions)
+        for index, (final, fraction_target, gates) in enumerate(zip(config.ratios, held, per_ratio)):
             role_labels = {} if roles is None else {"label_threshold": round(roles.thresholds[index], 4),
                                                     "long_lived_pairs": roles.kept_pairs(index)}
             written.append(save_adapter(
                 adapter_path(out_dir, final), gates, gates[0].config, model, final,
                 extra={"train_steps": config.total_steps, "eviction_target": round(fraction_target, 4),
-                       "train_kl": round(kl.item(), 5), "full_finetune": config.full_finetune,
+                       "train_kl": round(kl.item(), 5) if end > start else None, "full_finetune": config.full_finetune,
                        "base_model": config.model, "ratios_trained_together": config.ratios, **role_labels},
             ))
     handle.detach()
     if teacher_handle is not None and teacher_handle is not handle:
         teacher_handle.detach()
     return written
+
+
+def continue_from_export(model: nn.Module, per_ratio: list[nn.ModuleList], config: RetrofitConfig
+                         ) -> tuple[int, list[float], list[float]]:
+    """Load the export of a finished run (``config.continue_from``) into the student: its weights (with full
+    fine-tuning) and each ratio's gates and calibrated offset. Returns the step it ended at and, per ratio, the
+    eviction fraction it held and its label threshold. Refuses an export trained with other settings."""
+    source = Path(config.continue_from or "")
+    if config.full_finetune:
+        if not (source / "config.json").is_file():
+            raise ValueError(f"continue_from: no fine-tuned model at {source}")
+        trained, _ = load_model(source, device=str(next(model.parameters()).device))
+        model.load_state_dict(trained.state_dict())
+    steps, fractions, thresholds = set(), [], []
+    for final, gates in zip(config.ratios, per_ratio):
+        path = adapter_path(source, final)
+        metadata = read_adapter_metadata(path)
+        if [float(r) for r in metadata.get("ratios_trained_together", [])] != [float(r) for r in config.ratios]:
+            raise ValueError(f"continue_from: {path} was trained with ratios {metadata.get('ratios_trained_together')}, "
+                             f"this run trains {config.ratios}")
+        loaded, settings = load_gates(model, path)  # refuses gates made for other weights
+        for field in ("parametrization", "per_head", "window", "logit_scale"):
+            if getattr(settings, field) != getattr(config.dms, field):
+                raise ValueError(f"continue_from: {path} has {field}={getattr(settings, field)}, "
+                                 f"this run {getattr(config.dms, field)}")
+        gates.load_state_dict(loaded.state_dict())
+        set_offsets([gates], [settings.init_offset])
+        steps.add(int(metadata["train_steps"]))
+        fractions.append(float(metadata["eviction_target"]))
+        thresholds.append(float(metadata.get("label_threshold", 0.0)))
+    (start,) = steps
+    if start >= config.total_steps:
+        raise ValueError(f"continue_from: {source} already has {start} steps; total_steps is {config.total_steps}")
+    return start, fractions, thresholds
 
 
 def export_weights(model: nn.Module, tokenizer, out_dir: Path) -> None:

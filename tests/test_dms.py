@@ -260,6 +260,38 @@ def test_retrofit_on_a_tiny_model_trains_every_ratio_and_resumes(tmp_path, full_
     assert sum(n / held_tokens(n, 16, fraction) for n in lengths) / 3 == pytest.approx(4.0, rel=1e-3)
 
 
+def test_retrofit_continues_from_a_finished_runs_export(tmp_path):
+    from dms_runtime.adapters import load_gates
+    from dms_runtime.loading import load_model
+    from dms_runtime.retrofit import RetrofitConfig, retrofit
+    from dms_runtime.tokenizer import build_tokenizer
+
+    tokenizer = build_tokenizer()
+    tiny("qwen3").save_pretrained(tmp_path / "base")
+    tokenizer.save_pretrained(tmp_path / "base")
+    settings = dict(model=str(tmp_path / "base"), ratios=[2, 4], ramp_steps=1, tokens_per_batch=300, k_max=4,
+                    window=4, full_finetune=True, warmstart_steps=3, gate_supervision=0.1)
+    first = RetrofitConfig(**settings, hold_steps=1, output=str(tmp_path / "first"))
+    retrofit(first, quiet=True)
+    with pytest.raises(ValueError, match="already has 2 steps"):
+        retrofit(RetrofitConfig(**settings, hold_steps=1, continue_from=first.output, output=str(tmp_path / "x")), quiet=True)
+    with pytest.raises(ValueError, match="trained with ratios"):
+        retrofit(RetrofitConfig(**settings | {"ratios": [2, 8]}, hold_steps=3, continue_from=first.output,
+                                output=str(tmp_path / "x")), quiet=True)
+    longer = RetrofitConfig(**settings, hold_steps=3, continue_from=first.output, output=str(tmp_path / "longer"))
+    written = retrofit(longer, quiet=True)
+    assert read_adapter_metadata(written[1])["train_steps"] == 4
+    # It started from the first run's weights and gates, and its two steps moved both a little.
+    before, _ = load_model(tmp_path / "first")
+    after, _ = load_model(tmp_path / "longer")
+    moved = [(a - b).abs().max().item() for a, b in zip(after.parameters(), before.parameters())]
+    assert 0 < max(moved) < 0.05
+    old, _ = load_gates(before, tmp_path / "first" / "dms-4x.safetensors")
+    new, _ = load_gates(after, written[1])
+    gate_moves = [(a - b).abs().max().item() for a, b in zip(new.parameters(), old.parameters())]
+    assert 0 < max(gate_moves) < 0.05
+
+
 @pytest.mark.parametrize("kind", MODELS)
 def test_probe_mode_is_the_vanilla_model_and_reports_far_attention(kind):
     from dms_runtime.attention import far_attention

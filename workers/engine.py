@@ -107,9 +107,11 @@ class Engine:
         return bool(self.scheduler.running or self.scheduler.waiting)
 
     def fit(self, prompt: str, params: SamplingParams, cr: float) -> int:
-        """How many threads of this request the whole pool holds at once."""
-        probe = Thread("fit", 0, self.tokenizer(prompt)["input_ids"], params, cr)
-        return min(self.scheduler.max_running, self.pool.capacity // self.scheduler.reservation(probe))
+        """How many threads of this request the whole pool holds at once (admitted together, they share the prompt)."""
+        prompt_ids = self.tokenizer(prompt)["input_ids"]
+        group = [Thread("fit", i, prompt_ids, params, cr) for i in range(self.scheduler.max_running)]
+        fits = [n for n in range(1, len(group) + 1) if self.scheduler.group_reservation(group[:n]) <= self.pool.capacity]
+        return max(fits, default=0)
 
     def close(self) -> None:
         """Detach the gate banks from the model (another engine or a DMS handle may then use it)."""

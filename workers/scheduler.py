@@ -2,10 +2,12 @@
 
 A thread is admitted only when the pool can hold what every admitted thread can grow to: its prompt
 plus its token limit, compressed at its ratio (``tokens_per_head``: the window, then ``1/cr`` of the rest),
-for every layer and KV head. Admission is first come, first served; a preempted thread goes back to the
-front of the queue. Fresh threads of the same problem and ratio that are admitted together share one
-prefill of their prompt. When a step would need more slots than are free (a thread compressing less
-than its ratio promised), the most recently admitted threads are preempted until it fits.
+for every layer and KV head. Fresh threads of the same problem and ratio that are admitted together share
+one prefill of their prompt, and its slots (reference-counted in the pool): such a group reserves the
+prompt once. Admission is first come, first served; a preempted thread goes back to the front of the queue
+(and, replaying its own tokens, shares nothing when it resumes). When a step would need more slots than
+are free (a thread compressing less than its ratio promised), the most recently admitted threads are
+preempted until it fits.
 """
 
 from __future__ import annotations
@@ -24,13 +26,26 @@ class Scheduler:
         self.max_running = max_running
         self.waiting: deque[Thread] = deque()
         self.running: list[Thread] = []  # admitted threads (the engine keeps their batch-row order)
+        self._admissions = 0  # numbers each admitted group (a resumed thread is a group of its own)
 
     def reservation(self, thread: Thread) -> int:
-        """Slots ``thread`` may grow to."""
+        """Slots ``thread`` may grow to on its own."""
         return self.slots_per_token * tokens_per_head(thread.total_length, thread.cr, self.window_of(thread.cr))
 
+    def group_reservation(self, threads: list[Thread]) -> int:
+        """Slots threads that share one prefill may grow to together. Each holds at most its own reservation, of
+        which at most its token limit are tokens it made; the rest are references to the shared prompt, whose
+        slots exist once. For one thread this is its reservation; for vanilla threads, prompt + n x limit."""
+        own = [self.reservation(t) for t in threads]
+        made = [min(self.slots_per_token * t.params.max_new_tokens, r) for t, r in zip(threads, own)]
+        prompt = self.slots_per_token * len(threads[0].prompt_ids) if threads else 0
+        return min(prompt, sum(own) - sum(made)) + sum(made)
+
     def reserved(self) -> int:
-        return sum(self.reservation(t) for t in self.running)
+        groups: dict[int, list[Thread]] = {}
+        for thread in self.running:
+            groups.setdefault(thread.prefill_group, []).append(thread)
+        return sum(self.group_reservation(group) for group in groups.values())
 
     def add(self, threads: list[Thread]) -> None:
         self.waiting.extend(threads)
@@ -41,19 +56,21 @@ class Scheduler:
         slots_left = self.max_running - len(self.running)
         group: list[Thread] = []
         for thread in self.waiting:
-            cost = self.reservation(thread)
-            if slots_left <= 0 or cost > room:
-                break
             if group and (thread.tokens or group[0].tokens or (thread.problem_id, thread.cr) != (group[0].problem_id, group[0].cr)):
+                break
+            cost = self.group_reservation(group + [thread]) - self.group_reservation(group)
+            if slots_left <= 0 or cost > room:
                 break
             group.append(thread)
             room -= cost
             slots_left -= 1
             if thread.tokens:  # a resumed thread replays its own tokens: no sharing
                 break
+        self._admissions += 1
         for thread in group:
             self.waiting.popleft()
             thread.status = Status.RUNNING
+            thread.prefill_group = self._admissions
         self.running.extend(group)
         return group
 

@@ -79,6 +79,7 @@ class Thread:
     params: SamplingParams
     cr: float = 1.0
     seq: int = 0  # arrival order, set by the engine
+    prefill_group: int = -1  # while running: which admission it came in with (the threads sharing its prefill)
     status: Status = Status.WAITING
     tokens: list[int] = field(default_factory=list)
     logprob_sum: float = 0.0
