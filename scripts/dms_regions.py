@@ -4,7 +4,7 @@
     .venv/bin/python scripts/dms_regions.py --adapters checkpoints/chain-qwen3-dms --ratios 8 --keep-layers 0 3
     .venv/bin/python scripts/dms_regions.py --keep prompt register --window 48 --k 18 --one-path
 
-Fresh reference chains of thought of each difficulty in ``--k`` (a number or a range ``A-B``) run through:
+Fresh reference chains of thought of each difficulty in ``--k`` (numbers or ranges ``A-B``) run through:
 
 - with ``--adapters DIR``: the base model (``vanilla``), DIR's weights without eviction (``cr1``), each
   ratio's deterministic decisions (what inference evicts at threshold 0), and with ``--keep-layers``, that
@@ -121,7 +121,7 @@ def main() -> None:
     parser.add_argument("--heads", type=int, nargs="+", help="with --keep: the KV heads (of every layer) that keep the "
                         "regions; the others keep only the window (default: all)")
     parser.add_argument("--base", default=str(SHIPPED_MODEL), help="the vanilla model every setting is compared with")
-    parser.add_argument("--k", type=difficulties, default=[18], help="a difficulty or a range, e.g. 16-20")
+    parser.add_argument("--k", type=difficulties, nargs="+", default=[[18]], help="difficulties or ranges, e.g. 8 18 or 16-20")
     parser.add_argument("--one-path", action="store_true", help="reference chains in the one-path order (the stage-1 model's)")
     parser.add_argument("--tokens", type=int, default=4000, help="tokens per difficulty")
     parser.add_argument("--seed", type=int, default=99)
@@ -130,7 +130,7 @@ def main() -> None:
         parser.error("give --adapters or --keep")
     base, tokenizer = load_model(args.base)
     batches = []
-    for k in args.k:
+    for k in [k for group in args.k for k in group]:
         batch = difficulty_batch(tokenizer, random.Random(args.seed + k), k, k, args.tokens, any_order=not args.one_path)
         labels = [token_regions(tokenizer, ids[:n].tolist(), refs[:n].tolist())
                   for ids, refs, n in zip(batch.input_ids, batch.labels, batch.lengths.tolist())]
