@@ -75,6 +75,9 @@ class RetrofitConfig(BaseModel):
     any_order: bool = False
     lr: float = Field(3e-4, gt=0)  # gates
     finetune_lr: float = Field(1e-4, gt=0)  # base weights, with full_finetune
+    # The last lr_decay_steps steps take both learning rates linearly down to zero (constant before): at a
+    # constant rate the distillation KL stops falling at the noise its own steps make.
+    lr_decay_steps: int = Field(0, ge=0)
     temperature: float = Field(0.1, gt=0)
     compression_weight: float = Field(1.0, ge=0)
     # one_sided: the paper's loss; KL alone must keep the gates from evicting beyond the target.
@@ -163,6 +166,12 @@ def target_ratio(step: int, final: float, config: RetrofitConfig) -> float:
     """The target compression of an adapter named ``final`` at ``step``: a linear ramp from 1, then a hold.
     (After a gate warm start, training holds what the warm start labelled instead: see ``retrofit``.)"""
     return 1.0 + (final - 1.0) * min(1.0, step / config.ramp_steps)
+
+
+def lr_scale(step: int, config: RetrofitConfig) -> float:
+    """The learning rates' factor at ``step``: 1, then down to 0 over the last ``lr_decay_steps`` steps."""
+    remaining = config.total_steps - step
+    return min(1.0, remaining / config.lr_decay_steps) if config.lr_decay_steps else 1.0
 
 
 def held_tokens(length: int, window: int, evicted_fraction: float) -> float:
@@ -361,6 +370,7 @@ def retrofit(config: RetrofitConfig, steps: int | None = None, quiet: bool = Fal
             parameter.requires_grad_(True)
         groups.append({"params": list(model.parameters()), "lr": config.finetune_lr})
     trainable = [p for group in groups for p in group["params"]]
+    base_lrs = [group["lr"] for group in groups]
     optimizer = torch.optim.AdamW(groups, weight_decay=0.0, betas=(0.9, 0.98))
     supervised = config.gate_supervision > 0
     # The teacher also labels the gates each step (probe mode: vanilla outputs plus far attention).
@@ -449,6 +459,8 @@ def retrofit(config: RetrofitConfig, steps: int | None = None, quiet: bool = Fal
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(trainable, 1.0)
+        for group, base_lr in zip(optimizer.param_groups, base_lrs):
+            group["lr"] = base_lr * lr_scale(step, config)
         optimizer.step()
         handle.set_mode("infer")
         bar.set_postfix(kl=f"{kl.item():.4f}", k=batch.k, **shown,

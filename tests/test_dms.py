@@ -82,6 +82,15 @@ def test_schedule_ramps_every_ratio_linearly_then_holds():
     assert config.total_steps == 15
 
 
+def test_learning_rates_hold_then_decay_linearly_to_zero_over_the_last_steps():
+    from dms_runtime.retrofit import lr_scale
+
+    config = RetrofitConfig(ramp_steps=10, hold_steps=10, lr_decay_steps=8)
+    assert [lr_scale(step, config) for step in (0, 11, 12)] == [1.0, 1.0, 1.0]
+    assert [lr_scale(step, config) for step in (16, 19)] == [0.5, 0.125]
+    assert lr_scale(19, RetrofitConfig(ramp_steps=10, hold_steps=10)) == 1.0  # no decay by default
+
+
 @pytest.mark.parametrize("kind", MODELS)
 @pytest.mark.parametrize("per_head", [True, False])
 @pytest.mark.parametrize("parametrization", ["adapter", "query_neuron"])
