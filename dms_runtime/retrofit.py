@@ -485,7 +485,9 @@ def retrofit(config: RetrofitConfig, steps: int | None = None, quiet: bool = Fal
                 adapter_path(out_dir, final), gates, gates[0].config, model, final,
                 extra={"train_steps": config.total_steps, "eviction_target": round(fraction_target, 4),
                        "train_kl": round(kl.item(), 5) if end > start else None, "full_finetune": config.full_finetune,
-                       "base_model": config.model, "ratios_trained_together": config.ratios, **role_labels},
+                       "base_model": config.model, "ratios_trained_together": config.ratios, **role_labels,
+                       **({"continued_from": config.continue_from} if config.continue_from else {}),
+                       **({"lr_decay_steps": config.lr_decay_steps} if config.lr_decay_steps else {})},
             ))
     handle.detach()
     if teacher_handle is not None and teacher_handle is not handle:

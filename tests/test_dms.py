@@ -290,6 +290,7 @@ def test_retrofit_continues_from_a_finished_runs_export(tmp_path):
     longer = RetrofitConfig(**settings, hold_steps=3, continue_from=first.output, output=str(tmp_path / "longer"))
     written = retrofit(longer, quiet=True)
     assert read_adapter_metadata(written[1])["train_steps"] == 4
+    assert read_adapter_metadata(written[1])["continued_from"] == first.output
     # It started from the first run's weights and gates, and its two steps moved both a little.
     before, _ = load_model(tmp_path / "first")
     after, _ = load_model(tmp_path / "longer")
