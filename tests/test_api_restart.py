@@ -42,12 +42,13 @@ def test_jobs_accepted_before_a_crash_finish_after_the_restart(redis_url):
         deadline = time.time() + 300
         states = {}
         while time.time() < deadline:
-            states = {i: httpx.get(f"{url}/v1/jobs/{i}").json()["state"] for i in ids}
+            # What is asserted is that every job finishes, not how fast the server answers while it resumes them.
+            states = {i: httpx.get(f"{url}/v1/jobs/{i}", timeout=120).json()["state"] for i in ids}
             if all(s in ("done", "failed", "cancelled") for s in states.values()):
                 break
             time.sleep(0.5)
         assert all(s == "done" for s in states.values()), states
-        assert httpx.get(f"{url}/v1/jobs/{ids[1]}").json()["result"]["answer"] == "7"
+        assert httpx.get(f"{url}/v1/jobs/{ids[1]}", timeout=120).json()["result"]["answer"] == "7"
     finally:
         server.send_signal(signal.SIGTERM)
         server.wait(timeout=30)
