@@ -109,9 +109,12 @@ class Engine:
     def fit(self, prompt: str, params: SamplingParams, cr: float) -> int:
         """How many threads of this request the whole pool holds at once (admitted together, they share the prompt)."""
         prompt_ids = self.tokenizer(prompt)["input_ids"]
-        group = [Thread("fit", i, prompt_ids, params, cr) for i in range(self.scheduler.max_running)]
-        fits = [n for n in range(1, len(group) + 1) if self.scheduler.group_reservation(group[:n]) <= self.pool.capacity]
-        return max(fits, default=0)
+        group: list[Thread] = []
+        while len(group) < self.scheduler.max_running:  # a group's reservation only grows with its size
+            group.append(Thread("fit", len(group), prompt_ids, params, cr))
+            if self.scheduler.group_reservation(group) > self.pool.capacity:
+                return len(group) - 1
+        return len(group)
 
     def close(self) -> None:
         """Detach the gate banks from the model (another engine or a DMS handle may then use it)."""

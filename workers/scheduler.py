@@ -55,14 +55,16 @@ class Scheduler:
         room = self.capacity - self.reserved()
         slots_left = self.max_running - len(self.running)
         group: list[Thread] = []
+        held = 0  # the group's reservation so far
         for thread in self.waiting:
             if group and (thread.tokens or group[0].tokens or (thread.problem_id, thread.cr) != (group[0].problem_id, group[0].cr)):
                 break
-            cost = self.group_reservation(group + [thread]) - self.group_reservation(group)
-            if slots_left <= 0 or cost > room:
+            grown = self.group_reservation(group + [thread])
+            if slots_left <= 0 or grown - held > room:
                 break
             group.append(thread)
-            room -= cost
+            room -= grown - held
+            held = grown
             slots_left -= 1
             if thread.tokens:  # a resumed thread replays its own tokens: no sharing
                 break
