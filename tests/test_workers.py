@@ -94,3 +94,42 @@ def test_an_actor_killed_mid_run_loses_and_duplicates_nothing(pool):
     # the re-run threads are the same threads: one seed, one text per sample index
     again = asyncio.run(pool.collect(request("survivor-again", EASY[3], 8)))
     assert {t.sample_index: t.text for t in got} == {t.sample_index: t.text for t in again}
+
+
+def test_the_event_loop_keeps_running_while_a_submit_waits_for_the_engine():
+    """A submit waits for the engine's lock (held here as a long step would) off the event loop: other
+    coroutines (an API server's handlers, a Ray actor's other calls) run meanwhile, and the submit then
+    completes."""
+    import threading
+
+    from workers.worker import ModelWorker
+
+    worker = ModelWorker(WorkerConfig(kv_budget_bytes=BUDGET, torch_threads=1))
+    step_running = threading.Event()
+
+    def long_step():
+        with worker._lock:
+            step_running.set()
+            released.wait()
+
+    async def scenario():
+        threading.Thread(target=long_step, daemon=True).start()
+        step_running.wait()
+        stream = worker.run(request("waits", EASY[0], 1, SamplingParams(max_new_tokens=400)))
+        first = asyncio.create_task(anext(stream))
+        ticks_while_held = 0
+        for _ in range(20):  # with a blocked loop, none of these would run before the lock is released
+            await asyncio.sleep(0.01)
+            ticks_while_held += not released.is_set()
+        assert not first.done()
+        released.set()
+        result = await first
+        await stream.aclose()
+        return ticks_while_held, result, await worker.stats()
+
+    released = threading.Event()
+    threading.Timer(30, released.set).start()  # a regression returns to the loop after 30 s and fails, not hangs
+    ticks, result, stats = asyncio.run(scenario())
+    assert ticks == 20
+    assert result.answer == "15"
+    assert stats.pool_used_bytes == 0 and stats.running == 0 and stats.waiting == 0

@@ -22,16 +22,16 @@ class LocalPool(ThreadRunner):
             yield result
 
     async def cancel(self, request_id: str) -> int:
-        return self.worker.cancel(request_id)
+        return await self.worker.cancel(request_id)
 
     async def stats(self) -> list[WorkerStats | None]:
-        return [self.worker.stats()]
+        return [await self.worker.stats()]
 
     async def fit(self, prompt: str, params: SamplingParams, cr: float) -> int:
-        return self.worker.fit(prompt, params, cr)
+        return await self.worker.fit(prompt, params, cr)
 
     async def reset_peaks(self) -> None:
-        self.worker.reset_peak()
+        await self.worker.reset_peak()
 
     def info(self) -> dict:
         return self.worker.info() | {"workers": 0}

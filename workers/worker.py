@@ -4,6 +4,8 @@ The class is plain Python (usable in-process); :mod:`workers.pool` hosts it as a
 stream back one :class:`~workers.thread.ThreadResult` per thread as each finishes (``run`` is an async
 generator: under Ray, a streaming actor method). The engine is not thread-safe, so every call into it
 holds one lock; the loop releases the lock between steps, so submits and cancels wait one step at most.
+That wait happens on a helper thread (``_locked``), never on the event loop: an API server or a Ray actor
+that resumes many requests at once stays responsive while the engine steps.
 """
 
 from __future__ import annotations
@@ -122,6 +124,15 @@ class ModelWorker:
             loop.call_soon_threadsafe(queue.put_nowait, item)
 
     # -- the API -------------------------------------------------------------------------------------
+    async def _locked(self, call, *args):
+        """Run ``call(*args)`` under the engine lock on a helper thread (the event loop never blocks on it)."""
+
+        def locked_call():
+            with self._lock:
+                return call(*args)
+
+        return await asyncio.to_thread(locked_call)
+
     async def run(self, request: ProblemRequest) -> AsyncIterator[ThreadResult]:
         """Yield each thread's result as it finishes (all of ``request.samples``, unless cancelled)."""
         if request.request_id in self._listeners:
@@ -129,8 +140,8 @@ class ModelWorker:
         queue: asyncio.Queue = asyncio.Queue()
         self._listeners[request.request_id] = (asyncio.get_running_loop(), queue)
         try:
-            with self._lock:
-                self.engine.submit(request.request_id, request.prompt, list(request.samples), request.params, request.cr)
+            await self._locked(self.engine.submit, request.request_id, request.prompt, list(request.samples),
+                               request.params, request.cr)
             self._work.set()
             for _ in request.samples:
                 item = await queue.get()
@@ -139,31 +150,34 @@ class ModelWorker:
                 yield item
         finally:
             self._listeners.pop(request.request_id, None)
-            with self._lock:
-                self.engine.cancel(request.request_id)  # a consumer that went away frees its threads
+            # a consumer that went away frees its threads (the helper thread finishes even if this await is cancelled)
+            await self._locked(self.engine.cancel, request.request_id)
 
-    def cancel(self, request_id: str) -> int:
+    async def cancel(self, request_id: str) -> int:
         """Stop a request's threads now; their KV slots are free when this returns."""
-        with self._lock:
-            stopped = self.engine.cancel(request_id)
+        stopped = await self._locked(self.engine.cancel, request_id)
         self._deliver(request_id, None)
         return stopped
 
-    def fit(self, prompt: str, params: SamplingParams, cr: float) -> int:
-        with self._lock:
-            return self.engine.fit(prompt, params, cr)
+    async def fit(self, prompt: str, params: SamplingParams, cr: float) -> int:
+        return await self._locked(self.engine.fit, prompt, params, cr)
 
-    def stats(self) -> WorkerStats:
-        with self._lock:
+    async def stats(self) -> WorkerStats:
+        def snapshot() -> WorkerStats:
             s = self.engine.stats()
             reserved = self.engine.scheduler.reserved() * self.engine.pool.slot_bytes
-        return WorkerStats(s.pool_bytes, s.pool_used_bytes, s.pool_peak_bytes, reserved, s.running, s.waiting,
-                           s.tokens_generated, s.tokens_per_s, s.preemptions, s.busy_s, list(self.engine.adapters.ratios))
+            return WorkerStats(s.pool_bytes, s.pool_used_bytes, s.pool_peak_bytes, reserved, s.running, s.waiting,
+                               s.tokens_generated, s.tokens_per_s, s.preemptions, s.busy_s, list(self.engine.adapters.ratios))
 
-    def reset_peak(self) -> None:
+        return await self._locked(snapshot)
+
+    async def reset_peak(self) -> None:
         """Start a new high-water mark (a measurement that wants its own KV peak)."""
-        with self._lock:
+
+        def reset() -> None:
             self.engine.pool.high_water = self.engine.pool.used
+
+        await self._locked(reset)
 
     def info(self) -> dict:
         return {
