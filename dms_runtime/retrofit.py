@@ -523,6 +523,9 @@ def continue_from_export(model: nn.Module, per_ratio: list[nn.ModuleList], confi
         steps.add(int(metadata["train_steps"]))
         fractions.append(float(metadata["eviction_target"]))
         thresholds.append(float(metadata.get("label_threshold", 0.0)))
+    if len(steps) != 1:
+        raise ValueError(f"continue_from: {source}'s adapters were trained for different step counts ({sorted(steps)}); "
+                         "they must come from one run")
     (start,) = steps
     if start >= config.total_steps:
         raise ValueError(f"continue_from: {source} already has {start} steps; total_steps is {config.total_steps}")
