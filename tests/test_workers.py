@@ -128,8 +128,12 @@ def test_the_event_loop_keeps_running_while_a_submit_waits_for_the_engine():
         return ticks_while_held, result, await worker.stats()
 
     released = threading.Event()
-    threading.Timer(30, released.set).start()  # a regression returns to the loop after 30 s and fails, not hangs
-    ticks, result, stats = asyncio.run(scenario())
+    safety = threading.Timer(30, released.set)  # a regression returns to the loop after 30 s and fails, not hangs
+    safety.start()
+    try:
+        ticks, result, stats = asyncio.run(scenario())
+    finally:
+        safety.cancel()  # else the pending timer holds the interpreter open for its 30 s after the suite
     assert ticks == 20
     assert result.answer == "15"
     assert stats.pool_used_bytes == 0 and stats.running == 0 and stats.waiting == 0
