@@ -68,7 +68,8 @@ class Scheduler:
             slots_left -= 1
             if thread.tokens:  # a resumed thread replays its own tokens: no sharing
                 break
-        self._admissions += 1
+        if group:
+            self._admissions += 1
         for thread in group:
             self.waiting.popleft()
             thread.status = Status.RUNNING
