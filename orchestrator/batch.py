@@ -1,6 +1,7 @@
 """Batch reasoning on a Ray cluster: one result line per problem.
 
     ray job submit --working-dir . -- python -m orchestrator.batch --input problems.jsonl --output results.jsonl
+    thinkpool batch --input problems.jsonl --output results.jsonl          # the same, from the CLI
 
 Joins the cluster it runs on (``RAY_ADDRESS``, set by ``ray job submit``) or starts a local one. Problems
 are solved concurrently on the workers; each result line (``id``, ``answer``, ``correct`` when the file
@@ -19,8 +20,8 @@ from pathlib import Path
 from tqdm import tqdm
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m orchestrator.batch", description=__doc__.splitlines()[0])
+def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """The batch options, shared by ``python -m orchestrator.batch`` and ``thinkpool batch``."""
     parser.add_argument("--input", type=Path, required=True, help="JSONL problems ({id, prompt[, answer]})")
     parser.add_argument("--output", type=Path, required=True, help="JSONL results, one line per problem")
     parser.add_argument("--resume", action="store_true", help="skip problems whose id is already in --output")
@@ -29,14 +30,25 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--workers", type=int, default=1, help="Ray worker actors")
     parser.add_argument("--concurrency", type=int, default=16, help="problems in flight at once")
     parser.add_argument("--model", type=Path, default=None)
-    args = parser.parse_args(argv)
+    return parser
+
+
+def check_args(args: argparse.Namespace, parser: argparse.ArgumentParser) -> argparse.Namespace:
+    """Refuse out-of-range options before any worker starts (``parser.error``: a message and exit code 2)."""
     if not 1 <= args.samples <= 256:
         parser.error(f"argument --samples: must be between 1 and 256, got {args.samples}")
     if args.workers < 1:
         parser.error(f"argument --workers: must be at least 1, got {args.workers}")
+    if args.concurrency < 1:
+        parser.error(f"argument --concurrency: must be at least 1, got {args.concurrency}")
     if not args.input.is_file():
         parser.error(f"argument --input: file not found: {args.input}")
     return args
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = add_arguments(argparse.ArgumentParser(prog="python -m orchestrator.batch", description=__doc__.splitlines()[0]))
+    return check_args(parser.parse_args(argv), parser)
 
 
 async def run_batch(args: argparse.Namespace) -> int:

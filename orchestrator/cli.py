@@ -184,6 +184,10 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--kv-budget", type=byte_size, default=None, help="each worker's KV pool size")
     add_model(serve)
 
+    from orchestrator.batch import add_arguments as add_batch_arguments
+
+    add_batch_arguments(commands.add_parser("batch", help="solve a problem file on the workers (or a Ray cluster), one result line each"))
+
     calibrate = commands.add_parser("calibrate", help="measure the planner's profile (accuracy and tokens by difficulty, ratio, threads)")
     calibrate.add_argument("--bins", type=k_range, nargs="+", default=[(1, 5), (6, 10), (11, 15), (16, 20)])
     calibrate.add_argument("--cr", type=bounded(float, 1, 64), nargs="+", default=None, help="ratios (default: 1 and every adapter)")
@@ -231,7 +235,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 COMMANDS = {  # command -> (module in orchestrator.commands, function); imported only when used
     "solve": ("solve", "cmd_solve"), "eval": ("evaluate", "cmd_eval"), "bench": ("bench", "cmd_bench"),
-    "serve": ("serve", "cmd_serve"), "calibrate": ("calibrate", "cmd_calibrate"), "info": ("model", "cmd_info"),
+    "serve": ("serve", "cmd_serve"), "batch": ("batch", "cmd_batch"), "calibrate": ("calibrate", "cmd_calibrate"), "info": ("model", "cmd_info"),
     "generate": ("model", "cmd_generate"), "train": ("model", "cmd_train"), "retrofit": ("model", "cmd_retrofit"),
 }
 

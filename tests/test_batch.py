@@ -59,3 +59,17 @@ def test_bad_arguments_exit_2():
     done = subprocess.run([sys.executable, "-m", "orchestrator.batch", "--input", "missing.jsonl", "--output", "x.jsonl"],
                           capture_output=True, text=True, timeout=60, cwd=REPO)
     assert done.returncode == 2 and "argument --input: file not found" in done.stderr
+
+
+def test_thinkpool_batch_is_the_same_entry_point(easy_file, tmp_path):
+    problems = tmp_path / "problems.jsonl"
+    problems.write_text("\n".join(easy_file.read_text().splitlines()[:2]) + "\n")
+    thinkpool = str(Path(sys.executable).with_name("thinkpool"))
+    done = subprocess.run([thinkpool, "batch", "--input", str(problems), "--output", str(tmp_path / "out.jsonl"),
+                           "--samples", "1"], capture_output=True, text=True, timeout=600, cwd=REPO, env=ENV)
+    assert done.returncode == 0, done.stderr[-2000:]
+    results = [json.loads(line) for line in (tmp_path / "out.jsonl").read_text().splitlines()]
+    assert len(results) == 2 and all(r["samples"] == 1 and r["correct"] for r in results)
+    refused = subprocess.run([thinkpool, "batch", "--input", str(problems), "--output", "x.jsonl", "--samples", "0"],
+                             capture_output=True, text=True, timeout=60, cwd=REPO)
+    assert refused.returncode == 2 and "argument --samples: must be between 1 and 256" in refused.stderr
