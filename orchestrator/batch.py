@@ -17,7 +17,7 @@ import json
 import sys
 from pathlib import Path
 
-from tqdm import tqdm
+from orchestrator.cli import bounded
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -25,22 +25,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--input", type=Path, required=True, help="JSONL problems ({id, prompt[, answer]})")
     parser.add_argument("--output", type=Path, required=True, help="JSONL results, one line per problem")
     parser.add_argument("--resume", action="store_true", help="skip problems whose id is already in --output")
-    parser.add_argument("--samples", type=int, default=8, help="threads per problem (1 = greedy)")
+    parser.add_argument("--samples", type=bounded(int, 1, 256), default=8, help="threads per problem (1 = greedy)")
     parser.add_argument("--cr", type=float, default=1.0, help="DMS compression ratio")
-    parser.add_argument("--workers", type=int, default=1, help="Ray worker actors")
-    parser.add_argument("--concurrency", type=int, default=16, help="problems in flight at once")
+    parser.add_argument("--workers", type=bounded(int, 1), default=1, help="Ray worker actors")
+    parser.add_argument("--concurrency", type=bounded(int, 1), default=16, help="problems in flight at once")
     parser.add_argument("--model", type=Path, default=None)
     return parser
 
 
 def check_args(args: argparse.Namespace, parser: argparse.ArgumentParser) -> argparse.Namespace:
-    """Refuse out-of-range options before any worker starts (``parser.error``: a message and exit code 2)."""
-    if not 1 <= args.samples <= 256:
-        parser.error(f"argument --samples: must be between 1 and 256, got {args.samples}")
-    if args.workers < 1:
-        parser.error(f"argument --workers: must be at least 1, got {args.workers}")
-    if args.concurrency < 1:
-        parser.error(f"argument --concurrency: must be at least 1, got {args.concurrency}")
+    """Refuse a missing input file before any worker starts (``parser.error``: a message and exit code 2)."""
     if not args.input.is_file():
         parser.error(f"argument --input: file not found: {args.input}")
     return args
@@ -52,6 +46,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 async def run_batch(args: argparse.Namespace) -> int:
+    from tqdm import tqdm
+
     from dms_runtime.loading import default_model_path
     from orchestrator.evaluate import problem_record
     from tasks.jsonl import read_problems
