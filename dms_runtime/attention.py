@@ -5,10 +5,11 @@ and find their gate logits (set by a pre-hook, see :mod:`dms_runtime.attach`) on
 
 * Training (``module.dms.mode == "train"``): full-sequence attention where, for queries more than ``w``
   positions after key ``j``, the score of ``j`` gets ``log(1 - alpha_j)``. ``alpha_j`` is a hard decision
-  from the noisy, temperature-scaled gate in the forward pass with a straight-through gradient.
+  from the noisy, temperature-scaled gate in the forward pass with a straight-through gradient. On the CPU
+  it runs through the fused kernel of :mod:`dms_runtime.evicting_attention`.
 * Inference (``"infer"``): attention over the slots of a :class:`~dms_runtime.cache.DMSCache`, with the
   visibility mask the cache computes (occupied, causal, padding, and delayed eviction).
-* Probe (``"probe"``): the vanilla model's attention, computed explicitly so that it can also report, per
+* Probe (``"probe"``): the vanilla model's attention, its probabilities also written out so that it can report, per
   KV head and key, the most attention the key receives from any query more than ``w`` positions later
   (:func:`far_attention`): what a key is still needed for once it has left the window. Retrofit uses it
   to warm-start the gates.
@@ -22,6 +23,8 @@ import torch
 from torch.nn import functional as F
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+from dms_runtime.evicting_attention import evicting_attention
 
 NEG = -1e9
 
@@ -122,22 +125,36 @@ def _train_attention(module, state: LayerState, query, key, value, attention_mas
         raise ValueError("DMS training attention needs the whole sequence at once (no cache)")
     alpha = straight_through_alpha(shifted_decisions(state.logits.float()), state.temperature, state.noise)
     state.alpha = alpha
-    bias = eviction_bias(alpha, q_len, state.window)  # [B, decisions, q, k]; _sdpa spreads one decision over all KV heads
     allowed = _base_mask(attention_mask, q_len, k_len, query.device)
-    # A float mask carries the eviction bias into SDPA, whose backward also differentiates the mask (the gates'
-    # straight-through gradient): 1.6x faster than the attention written out (scripts/bench_training.py).
-    return _sdpa(module, query, key, value, bias.to(query.dtype).masked_fill(~allowed, float("-inf")), scaling)
+    if query.device.type == "cpu":
+        return evicting_attention(query, key, value, alpha, allowed, state.window, scaling), None
+    return _bias_mask_attention(query, key, value, alpha, allowed, state.window, scaling)
 
 
-def _explicit_attention(query, key, value, allowed: torch.Tensor, scaling, bias: torch.Tensor | None = None):
-    """Attention written out (float32), for the modes that need the scores: ``bias`` ``[B, kv_heads, q, k]``
-    is added per KV head; returns the output ``[B, q, heads, D]`` and the probabilities ``[B, heads, q, k]``."""
+def _bias_mask_attention(query, key, value, alpha: torch.Tensor, allowed: torch.Tensor, window: int, scaling):
+    """Training attention with the eviction bias handed to SDPA as a float mask, whose backward then also
+    differentiates the mask (the gates' straight-through gradient): 1.5x faster than the attention written out,
+    and what CUDA runs. The CPU's fused kernel (:mod:`dms_runtime.evicting_attention`) is faster still
+    (``scripts/bench_training.py``)."""
+    bias = eviction_bias(alpha, query.shape[2], window)  # [B, decisions, q, k]; _sdpa spreads one decision over all KV heads
+    return _sdpa(None, query, key, value, bias.to(query.dtype).masked_fill(~allowed, float("-inf")), scaling)
+
+
+def _attention_probs(query, key, allowed: torch.Tensor, scaling, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """Attention probabilities ``[B, heads, q, k]`` written out in float32; ``bias`` ``[B, kv_heads, q, k]`` is
+    added per KV head."""
     groups = query.shape[1] // key.shape[1]
     scores = torch.matmul(query.float(), _expand_groups(key, groups).float().transpose(-1, -2)) * (scaling or query.shape[-1] ** -0.5)
     if bias is not None:
         scores = scores + _expand_groups(bias, groups)
-    probs = torch.softmax(scores.masked_fill(~allowed, float("-inf")), dim=-1)
-    out = torch.matmul(probs, _expand_groups(value, groups).float()).to(query.dtype)
+    return torch.softmax(scores.masked_fill(~allowed, float("-inf")), dim=-1)
+
+
+def _explicit_attention(query, key, value, allowed: torch.Tensor, scaling, bias: torch.Tensor | None = None):
+    """Attention written out (float32), the reference the fused paths are tested against: returns the output
+    ``[B, q, heads, D]`` and the probabilities ``[B, heads, q, k]``."""
+    probs = _attention_probs(query, key, allowed, scaling, bias)
+    out = torch.matmul(probs, _expand_groups(value, query.shape[1] // key.shape[1]).float()).to(query.dtype)
     return out.transpose(1, 2).contiguous(), probs
 
 
@@ -152,10 +169,10 @@ def far_attention(probs: torch.Tensor, kv_heads: int, window: int) -> torch.Tens
 
 
 def _probe_attention(module, state: LayerState, query, key, value, attention_mask, scaling):
+    """The vanilla output through SDPA; the probabilities written out only for :func:`far_attention`."""
     allowed = _base_mask(attention_mask, query.shape[2], key.shape[2], query.device)
-    out, probs = _explicit_attention(query, key, value, allowed, scaling)
-    state.far_attention = far_attention(probs, key.shape[1], state.window).detach()
-    return out, None
+    state.far_attention = far_attention(_attention_probs(query, key, allowed, scaling), key.shape[1], state.window).detach()
+    return _sdpa(module, query, key, value, allowed, scaling)
 
 
 AttentionInterface.register("dms", dms_attention)

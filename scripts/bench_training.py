@@ -5,8 +5,10 @@
 - precision: a forward and backward pass of the shipped model over ``--tokens`` tokens of hard chain-task
   examples, in fp32 and under bf16 autocast (which ``dms_runtime/precision.py`` enables only where the CPU
   computes bf16 natively);
-- attention: DMS training attention over one batch of that shape, written out (``_explicit_attention``)
-  and through SDPA with the eviction bias as a float mask (what ``_train_attention`` does).
+- attention: DMS training attention (forward and backward, one layer) over one batch of that shape, in the
+  dtype training's autocast gives it: through the fused CPU kernel (``dms_runtime/evicting_attention.py``, what
+  ``_train_attention`` runs on the CPU), through SDPA with the eviction bias as a float mask (what it runs on
+  CUDA), and written out (``_explicit_attention``).
 Each pair alternates runs, so that the noise of a shared machine falls on both; compare the ratios.
 """
 
@@ -20,7 +22,8 @@ import time
 
 import torch
 
-from dms_runtime.attention import LayerState, _explicit_attention, _train_attention, eviction_bias, shifted_decisions, straight_through_alpha
+from dms_runtime.attention import _bias_mask_attention, _explicit_attention, eviction_bias, shifted_decisions, straight_through_alpha
+from dms_runtime.evicting_attention import evicting_attention
 from dms_runtime.chain_data import difficulty_batch
 from dms_runtime.loading import load_model
 from dms_runtime.precision import cpu_has_native_bf16
@@ -63,26 +66,33 @@ def main() -> None:
     config = model.config
     rows, length = batch.input_ids.shape
     kv_heads, heads, dim = config.num_key_value_heads, config.num_attention_heads, config.head_dim
-    query, key, value = (torch.randn(rows, h, length, dim, requires_grad=True) for h in (heads, kv_heads, kv_heads))
+    dtype = torch.bfloat16 if cpu_has_native_bf16() else torch.float32  # what attention gets under training's autocast
+    query, key, value = (torch.randn(rows, h, length, dim, dtype=dtype, requires_grad=True) for h in (heads, kv_heads, kv_heads))
     logits = torch.randn(rows, length, kv_heads, requires_grad=True)
     causal = torch.ones(length, length, dtype=torch.bool).tril()[None, None]
 
-    def sdpa():
-        state = LayerState(mode="train", window=32, logits=logits)
-        _train_attention(None, state, query, key, value, None, None)[0].sum().backward()
+    def alpha():
+        return straight_through_alpha(shifted_decisions(logits), 0.1)
+
+    def fused():
+        evicting_attention(query, key, value, alpha(), causal, 32, None).sum().backward()
+
+    def bias_mask():
+        _bias_mask_attention(query, key, value, alpha(), causal, 32, None)[0].sum().backward()
 
     def explicit():
-        alpha = straight_through_alpha(shifted_decisions(logits), 0.1)
-        _explicit_attention(query, key, value, causal, None, eviction_bias(alpha, length, 32))[0].sum().backward()
+        _explicit_attention(query, key, value, causal, None, eviction_bias(alpha(), length, 32))[0].sum().backward()
 
-    attention = alternate({"sdpa": sdpa, "explicit": explicit}, args.repeats)
+    attention = alternate({"fused": fused, "bias_mask": bias_mask, "explicit": explicit}, args.repeats)
     print(json.dumps({
         "cpu_native_bf16": cpu_has_native_bf16(), "cpu_capability": torch.backends.cpu.get_cpu_capability(),
         "batch": {"rows": rows, "length": length, "tokens": int(batch.lengths.sum())}, "repeats": args.repeats,
         "precision_s": {name: round(value, 3) for name, value in precision.items()},
         "bf16_over_fp32": round(precision["bf16_autocast"] / precision["fp32"], 2),
         "attention_s": {name: round(value, 3) for name, value in attention.items()},
-        "explicit_over_sdpa": round(attention["explicit"] / attention["sdpa"], 2),
+        "attention_dtype": str(dtype).removeprefix("torch."),
+        "bias_mask_over_fused": round(attention["bias_mask"] / attention["fused"], 2),
+        "explicit_over_fused": round(attention["explicit"] / attention["fused"], 2),
     }, indent=1))
 
 

@@ -6,7 +6,8 @@ from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCau
 
 from dms_runtime.adapters import AdapterError, load_adapter, read_adapter_metadata, save_adapter
 from dms_runtime.attach import attach_dms
-from dms_runtime.attention import LayerState, _explicit_attention, _train_attention, eviction_bias, shifted_decisions, straight_through_alpha
+from dms_runtime.attention import _bias_mask_attention, _explicit_attention, eviction_bias, shifted_decisions, straight_through_alpha
+from dms_runtime.evicting_attention import evicting_attention
 from dms_runtime.config import DMSConfig
 from dms_runtime.gates import build_gates
 from dms_runtime.retrofit import RetrofitConfig, target_ratio
@@ -46,26 +47,36 @@ def test_training_bias_matches_a_direct_construction():
                     assert bias[b, h, i, j].item() == pytest.approx(expected)
 
 
-def test_training_attention_gives_the_written_out_attention_and_its_gate_gradients():
-    """The training path (SDPA with the eviction bias as a float mask) against the attention written out."""
+@pytest.mark.parametrize("decisions", [2, 1], ids=["per-head", "per-layer"])
+def test_training_attention_gives_the_written_out_attention_and_its_gradients(decisions):
+    """Both training paths (the CPU's fused kernel, and SDPA with the eviction bias as a float mask) against
+    the attention written out: outputs, and the gradients of the gates, queries, keys and values. Grouped-query
+    heads, left padding in one row, a length that is not a multiple of the fused path's block."""
     torch.manual_seed(0)
-    batch, heads, kv_heads, length, dim, window = 2, 4, 2, 12, 8, 3
+    batch, heads, kv_heads, length, dim, window = 2, 6, 2, 70, 8, 5
     query, key, value = (torch.randn(batch, h, length, dim) for h in (heads, kv_heads, kv_heads))
-    results = []
-    for path in ("sdpa", "explicit"):
-        logits = torch.linspace(-4, 4, batch * length * kv_heads).view(batch, length, kv_heads).requires_grad_()
-        state = LayerState(mode="train", window=window, noise=False, logits=logits)
-        if path == "sdpa":
-            out, _ = _train_attention(None, state, query, key, value, None, None)
+    allowed = torch.ones(length, length, dtype=torch.bool).tril()[None, None].repeat(batch, 1, 1, 1)
+    allowed[1, :, :, :3] = False  # row 1 starts with three padding tokens, each of which sees only itself
+    allowed[1, :, range(3), range(3)] = True
+    results = {}
+    for path in ("fused", "bias_mask", "explicit"):
+        logits = (3 * torch.randn(batch, length, decisions, generator=torch.Generator().manual_seed(1))).requires_grad_()
+        inputs = [t.clone().requires_grad_() for t in (query, key, value)]
+        alpha = straight_through_alpha(shifted_decisions(logits), 0.1, noise=False)
+        if path == "fused":
+            out = evicting_attention(*inputs, alpha, allowed, window, None)
+        elif path == "bias_mask":
+            out, _ = _bias_mask_attention(*inputs, alpha, allowed, window, None)
         else:
-            alpha = straight_through_alpha(shifted_decisions(logits), state.temperature, noise=False)
-            causal = torch.ones(length, length, dtype=torch.bool).tril()[None, None]
-            out, _ = _explicit_attention(query, key, value, causal, None, eviction_bias(alpha, length, window))
-        out.square().sum().backward()
-        results.append((out.detach(), logits.grad))
-    (out_a, grad_a), (out_b, grad_b) = results
-    assert torch.allclose(out_a, out_b, atol=1e-5)
-    assert grad_b.abs().sum() > 0 and torch.allclose(grad_a, grad_b, atol=1e-4)
+            bias = eviction_bias(alpha, length, window).expand(-1, kv_heads, -1, -1)
+            out, _ = _explicit_attention(*inputs, allowed, None, bias)
+        (out * torch.linspace(-1, 1, out.numel()).view(out.shape)).square().sum().backward()
+        results[path] = [out.detach(), logits.grad] + [t.grad for t in inputs]
+    assert 0 < alpha.detach().mean() < 1  # some keys evicted, some kept
+    assert results["explicit"][1].abs().sum() > 0
+    for path in ("fused", "bias_mask"):
+        for got, expected in zip(results[path], results["explicit"]):
+            assert torch.allclose(got, expected, atol=1e-4), path
 
 
 def test_decision_about_a_token_comes_from_the_next_position():
