@@ -8,7 +8,9 @@
 - attention: DMS training attention (forward and backward, one layer) over one batch of that shape, in the
   dtype training's autocast gives it: through the fused CPU kernel (``dms_runtime/evicting_attention.py``, what
   ``_train_attention`` runs on the CPU), through SDPA with the eviction bias as a float mask (what it runs on
-  CUDA), and written out (``_explicit_attention``).
+  CUDA), and written out (``_explicit_attention``);
+- the shipped model with DMS gates in training mode, forward and backward over the batch, with the fused kernel
+  and with the float-mask path.
 Each pair alternates runs, so that the noise of a shared machine falls on both; compare the ratios.
 """
 
@@ -22,11 +24,15 @@ import time
 
 import torch
 
+from dms_runtime import attention as dms_attention
+from dms_runtime.attach import attach_dms
 from dms_runtime.attention import _bias_mask_attention, _explicit_attention, eviction_bias, shifted_decisions, straight_through_alpha
-from dms_runtime.evicting_attention import evicting_attention
 from dms_runtime.chain_data import difficulty_batch
+from dms_runtime.config import DMSConfig
+from dms_runtime.evicting_attention import evicting_attention
+from dms_runtime.gates import build_gates
 from dms_runtime.loading import load_model
-from dms_runtime.precision import cpu_has_native_bf16
+from dms_runtime.precision import autocast, cpu_has_native_bf16
 
 
 def timed(step) -> float:
@@ -84,6 +90,26 @@ def main() -> None:
         _explicit_attention(query, key, value, causal, None, eviction_bias(alpha(), length, 32))[0].sum().backward()
 
     attention = alternate({"fused": fused, "bias_mask": bias_mask, "explicit": explicit}, args.repeats)
+
+    # The whole model in DMS training mode, forward and backward: the fused kernel against the float-mask path.
+    handle = attach_dms(model, build_gates(model, DMSConfig(window=32)), DMSConfig(window=32))
+    handle.set_mode("train")
+    fused_kernel = dms_attention.evicting_attention
+
+    def dms_model_step(kernel):
+        def step():
+            dms_attention.evicting_attention = kernel
+            model.zero_grad(set_to_none=True)
+            with autocast("cpu"):
+                logits = model(input_ids=batch.input_ids, use_cache=False).logits
+            torch.log_softmax(logits.float(), -1).mean().backward()
+            dms_attention.evicting_attention = fused_kernel
+        return step
+
+    def bias_mask_kernel(*args):
+        return _bias_mask_attention(*args)[0]
+
+    dms_model = alternate({"fused": dms_model_step(fused_kernel), "bias_mask": dms_model_step(bias_mask_kernel)}, args.repeats)
     print(json.dumps({
         "cpu_native_bf16": cpu_has_native_bf16(), "cpu_capability": torch.backends.cpu.get_cpu_capability(),
         "batch": {"rows": rows, "length": length, "tokens": int(batch.lengths.sum())}, "repeats": args.repeats,
@@ -93,6 +119,8 @@ def main() -> None:
         "attention_dtype": str(dtype).removeprefix("torch."),
         "bias_mask_over_fused": round(attention["bias_mask"] / attention["fused"], 2),
         "explicit_over_fused": round(attention["explicit"] / attention["fused"], 2),
+        "dms_model_train_s": {name: round(value, 3) for name, value in dms_model.items()},
+        "dms_model_bias_mask_over_fused": round(dms_model["bias_mask"] / dms_model["fused"], 2),
     }, indent=1))
 
 

@@ -7,8 +7,8 @@ from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCau
 from dms_runtime.adapters import AdapterError, load_adapter, read_adapter_metadata, save_adapter
 from dms_runtime.attach import attach_dms
 from dms_runtime.attention import _bias_mask_attention, _explicit_attention, eviction_bias, shifted_decisions, straight_through_alpha
-from dms_runtime.evicting_attention import evicting_attention
 from dms_runtime.config import DMSConfig
+from dms_runtime.evicting_attention import evicting_attention
 from dms_runtime.gates import build_gates
 from dms_runtime.retrofit import RetrofitConfig, target_ratio
 

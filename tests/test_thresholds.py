@@ -8,10 +8,12 @@ from safetensors.torch import load_file
 
 from dms_runtime.adapters import adapter_path, load_gates, read_adapter_metadata, set_threshold
 from dms_runtime.loading import REPO_ROOT, load_model
+from dms_runtime.retrofit import RetrofitConfig
 from orchestrator.thresholds import fit_threshold, measure
 from tasks.chain import generate_suite
 
 SHIPPED_DMS = REPO_ROOT / "checkpoints" / "chain-qwen3-dms"
+ONE_HOUR_DMS = REPO_ROOT / "checkpoints" / "chain-qwen3-dms-8x-1h"
 
 
 @pytest.fixture(scope="module")
@@ -54,3 +56,15 @@ def test_the_fit_moves_towards_the_target(adapter_8x, dms_model):
     assert abs(fit.realized_cr / 8 - 1) <= abs(start / 8 - 1)
     if abs(start / 8 - 1) > 0.03:  # it had to move: up when the gates overshoot, down when they fall short
         assert (fit.threshold > 0) == (start > 8)
+
+
+def test_the_one_hour_retrofit_is_what_its_config_trains_and_it_compresses():
+    """``checkpoints/chain-qwen3-dms-8x-1h`` comes from ``configs/retrofit_chain_1h.yaml`` (8x alone, its steps),
+    loads onto its own weights, and solves easy problems greedily at several times less KV."""
+    config = RetrofitConfig.from_yaml(REPO_ROOT / "configs" / "retrofit_chain_1h.yaml")
+    metadata = read_adapter_metadata(adapter_path(ONE_HOUR_DMS, 8))
+    assert config.ratios == [8] and metadata["target_cr"] == 8 and metadata["train_steps"] == config.total_steps
+    model, tokenizer = load_model(ONE_HOUR_DMS)
+    realized, accuracy = measure(model, tokenizer, adapter_path(ONE_HOUR_DMS, 8), metadata["dms_config"]["threshold"],
+                                 generate_suite(3, 4, 6, seed=13))
+    assert realized > 3 and accuracy >= 2 / 3
