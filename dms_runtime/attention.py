@@ -126,18 +126,17 @@ def _train_attention(module, state: LayerState, query, key, value, attention_mas
     alpha = straight_through_alpha(shifted_decisions(state.logits.float()), state.temperature, state.noise)
     state.alpha = alpha
     allowed = _base_mask(attention_mask, q_len, k_len, query.device)
-    if query.device.type == "cpu":
-        return evicting_attention(query, key, value, alpha, allowed, state.window, scaling), None
-    return _bias_mask_attention(query, key, value, alpha, allowed, state.window, scaling)
+    attend = evicting_attention if query.device.type == "cpu" else _bias_mask_attention
+    return attend(query, key, value, alpha, allowed, state.window, scaling), None
 
 
-def _bias_mask_attention(query, key, value, alpha: torch.Tensor, allowed: torch.Tensor, window: int, scaling):
+def _bias_mask_attention(query, key, value, alpha: torch.Tensor, allowed: torch.Tensor, window: int, scaling) -> torch.Tensor:
     """Training attention with the eviction bias handed to SDPA as a float mask, whose backward then also
     differentiates the mask (the gates' straight-through gradient): 1.5x faster than the attention written out,
     and what CUDA runs. The CPU's fused kernel (:mod:`dms_runtime.evicting_attention`) is faster still
     (``scripts/bench_training.py``)."""
     bias = eviction_bias(alpha, query.shape[2], window)  # [B, decisions, q, k]; _sdpa spreads one decision over all KV heads
-    return _sdpa(None, query, key, value, bias.to(query.dtype).masked_fill(~allowed, float("-inf")), scaling)
+    return _sdpa(None, query, key, value, bias.to(query.dtype).masked_fill(~allowed, float("-inf")), scaling)[0]
 
 
 def _attention_probs(query, key, allowed: torch.Tensor, scaling, bias: torch.Tensor | None = None) -> torch.Tensor:

@@ -32,7 +32,7 @@ from dms_runtime.config import DMSConfig
 from dms_runtime.evicting_attention import evicting_attention
 from dms_runtime.gates import build_gates
 from dms_runtime.loading import load_model
-from dms_runtime.precision import autocast, cpu_has_native_bf16
+from dms_runtime.precision import cpu_has_native_bf16, uses_bf16
 
 
 def timed(step) -> float:
@@ -72,7 +72,7 @@ def main() -> None:
     config = model.config
     rows, length = batch.input_ids.shape
     kv_heads, heads, dim = config.num_key_value_heads, config.num_attention_heads, config.head_dim
-    dtype = torch.bfloat16 if cpu_has_native_bf16() else torch.float32  # what attention gets under training's autocast
+    dtype = torch.bfloat16 if uses_bf16("cpu") else torch.float32  # what attention gets under training's autocast
     query, key, value = (torch.randn(rows, h, length, dim, dtype=dtype, requires_grad=True) for h in (heads, kv_heads, kv_heads))
     logits = torch.randn(rows, length, kv_heads, requires_grad=True)
     causal = torch.ones(length, length, dtype=torch.bool).tril()[None, None]
@@ -84,7 +84,7 @@ def main() -> None:
         evicting_attention(query, key, value, alpha(), causal, 32, None).sum().backward()
 
     def bias_mask():
-        _bias_mask_attention(query, key, value, alpha(), causal, 32, None)[0].sum().backward()
+        _bias_mask_attention(query, key, value, alpha(), causal, 32, None).sum().backward()
 
     def explicit():
         _explicit_attention(query, key, value, causal, None, eviction_bias(alpha(), length, 32))[0].sum().backward()
@@ -94,22 +94,19 @@ def main() -> None:
     # The whole model in DMS training mode, forward and backward: the fused kernel against the float-mask path.
     handle = attach_dms(model, build_gates(model, DMSConfig(window=32)), DMSConfig(window=32))
     handle.set_mode("train")
-    fused_kernel = dms_attention.evicting_attention
+    training_step = model_step(uses_bf16("cpu"))  # what retrofit's autocast does on this CPU
 
     def dms_model_step(kernel):
         def step():
-            dms_attention.evicting_attention = kernel
-            model.zero_grad(set_to_none=True)
-            with autocast("cpu"):
-                logits = model(input_ids=batch.input_ids, use_cache=False).logits
-            torch.log_softmax(logits.float(), -1).mean().backward()
-            dms_attention.evicting_attention = fused_kernel
+            dms_attention.evicting_attention = kernel  # the CPU's choice in _train_attention, swapped for one step
+            try:
+                training_step()
+            finally:
+                dms_attention.evicting_attention = evicting_attention
         return step
 
-    def bias_mask_kernel(*args):
-        return _bias_mask_attention(*args)[0]
-
-    dms_model = alternate({"fused": dms_model_step(fused_kernel), "bias_mask": dms_model_step(bias_mask_kernel)}, args.repeats)
+    dms_model = alternate({"fused": dms_model_step(evicting_attention), "bias_mask": dms_model_step(_bias_mask_attention)},
+                          args.repeats)
     print(json.dumps({
         "cpu_native_bf16": cpu_has_native_bf16(), "cpu_capability": torch.backends.cpu.get_cpu_capability(),
         "batch": {"rows": rows, "length": length, "tokens": int(batch.lengths.sum())}, "repeats": args.repeats,
