@@ -86,3 +86,15 @@ def plot_throughput(report: dict, path: str | Path) -> Path:
     figure.savefig(path, dpi=110)
     plt.close(figure)
     return Path(path)
+
+
+def plot_vote_curves(runs: list[dict], path: str | Path, title: str = "majority vote against threads per problem") -> Path:
+    """One line per labelled run (vote accuracy of n of its threads), and a marker where the run itself voted."""
+    figure, axes = plt.subplots(figsize=(7, 4.5))
+    for run in runs:
+        ns = [int(n) for n in run["curve"]]
+        (line,) = axes.plot(ns, [100 * v for v in run["curve"].values()], label=f"{run['label']} ({run['n']} problems)")
+        axes.scatter([run["threads"]], [100 * run["accuracy"]], color=line.get_color(), marker="D", zorder=3)
+    axes.set_xscale("log", base=2)
+    axes.set_xlabel("threads voting per problem (diamond: the run's own vote)")
+    return _finish(figure, axes, title, path)

@@ -20,3 +20,29 @@ def test_majority_vote_counts_and_breaks_ties_by_first_arrival():
     assert vote.answer == "3" and vote.counts == {"3": 2, "5": 2, "9": 1}
     assert majority_vote(["5", "3", "3"]).answer == "3"
     assert majority_vote([None, None]).answer is None
+
+
+def test_vote_curve_script_draws_subsets_of_the_kept_threads(tmp_path):
+    """``scripts/vote_curve.py`` on two problems: one whose threads are right 2 times in 3, one never right."""
+    import json
+    import subprocess
+    import sys
+
+    records = [
+        {"expected": "1", "correct": True, "threads": [{"answer": "1"}, {"answer": "1"}, {"answer": "2"}]},
+        {"expected": "5", "correct": False, "threads": [{"answer": "4"}, {"answer": "6"}, {"answer": None}]},
+    ]
+    threads = tmp_path / "threads.jsonl"
+    threads.write_text("".join(json.dumps(r) + "\n" for r in records))
+    plot = tmp_path / "curve.png"
+    done = subprocess.run([sys.executable, "scripts/vote_curve.py", f"run={threads}", "--draws", "400", "--plot", str(plot)],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    run = json.loads(done.stdout)["runs"][0]
+    assert run["n"] == 2 and run["threads"] == 3 and run["accuracy"] == 0.5
+    curve = {int(n): v for n, v in run["curve"].items()}
+    assert sorted(curve) == [1, 2, 3] and curve[3] == 0.5  # all three: the first problem's vote is right
+    assert abs(curve[1] - 1 / 3) < 0.06 and abs(curve[2] - 1 / 3) < 0.06  # 2/3 right on one problem of two
+    assert plot.stat().st_size > 0
+    bad = subprocess.run([sys.executable, "scripts/vote_curve.py", str(threads)], capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and "LABEL=FILE" in bad.stderr
