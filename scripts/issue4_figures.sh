@@ -18,3 +18,22 @@ for cr in 1 4 8; do
 done
 .venv/bin/thinkpool eval --problems runs/equal_memory_k16-20.jsonl --kv-budget "$BUDGET" --samples fit \
   --max-new-tokens 1000 --workers 0 --json > "$OUT/equal_memory_vanilla_base.json"
+# 8x trained for long reasoning (checkpoints/chain-qwen3-dms-8x-long) against vanilla on three draws of hard
+# problems (60 + 40 + 40), keeping every thread for scripts/vote_curve.py. About 1 h 40 min on 2 CPU cores.
+LONG=checkpoints/chain-qwen3-dms-8x-long
+.venv/bin/thinkpool generate --n 60 --k 16-20 --seed 4001 --output runs/equal_memory_k16-20_60.jsonl
+.venv/bin/thinkpool generate --n 40 --k 16-20 --seed 4002 --output runs/equal_memory_k16-20_fresh40.jsonl
+.venv/bin/thinkpool generate --n 40 --k 16-20 --seed 4003 --output runs/equal_memory_k16-20_fresh40b.jsonl
+for set in 60 fresh40 fresh40b; do
+  .venv/bin/thinkpool eval --problems "runs/equal_memory_k16-20_$set.jsonl" --model "$LONG" --cr 8 --kv-budget "$BUDGET" \
+    --samples fit --max-new-tokens 1000 --workers 0 --json --output "runs/threads_cr8_long_$set.jsonl" \
+    > "$OUT/equal_memory_cr8_long_$set.json"
+done
+# Vanilla on the 60 is in two files: its first 24 (equal_memory_vanilla_base.json, above) and the last 36 lines
+# (equal_memory_vanilla_base_more36.json, the same command on them).
+for set in fresh40 fresh40b; do
+  .venv/bin/thinkpool eval --problems "runs/equal_memory_k16-20_$set.jsonl" --kv-budget "$BUDGET" --samples fit \
+    --max-new-tokens 1000 --workers 0 --json --output "runs/threads_vanilla_$set.jsonl" > "$OUT/equal_memory_vanilla_$set.json"
+done
+.venv/bin/python scripts/vote_curve.py "DMS 8x long, 25 threads=runs/threads_cr8_long_fresh40b.jsonl" \
+  "vanilla, 4 threads=runs/threads_vanilla_fresh40b.jsonl" --plot "$OUT/vote_curve_fresh40b.png" > "$OUT/vote_curve_fresh40b.json"
