@@ -50,7 +50,7 @@ async def run_batch(args: argparse.Namespace) -> int:
 
     from dms_runtime.loading import default_model_path
     from orchestrator.evaluate import problem_record
-    from tasks.jsonl import read_problems
+    from tasks.jsonl import read_jsonl, read_problems
     from tasks.prompt import format_prompt
     from workers.pool import WorkerPool
     from workers.thread import SamplingParams
@@ -59,7 +59,7 @@ async def run_batch(args: argparse.Namespace) -> int:
     problems = read_problems(args.input)
     done: set[str] = set()
     if args.resume and args.output.is_file():
-        done = {json.loads(line)["id"] for line in args.output.read_text().splitlines() if line.strip()}
+        done = {record["id"] for record in read_jsonl(args.output)}
     todo = [p for p in problems if p["id"] not in done]
     pool = WorkerPool(WorkerConfig(model=str(args.model or default_model_path())), num_workers=args.workers)
     gate = asyncio.Semaphore(args.concurrency)

@@ -28,6 +28,7 @@ from dms_runtime.loading import SHIPPED_MODEL, load_model
 from policies.extraction import answers_match
 from tasks.chain import parse_problem
 from tasks.cot import line_forms
+from tasks.jsonl import read_jsonl
 from tasks.prompt import format_prompt
 from workers.batch_generate import KVPolicy, SamplingParams, generate_threads
 
@@ -60,7 +61,7 @@ def main() -> None:
     parser.add_argument("--temperature", type=float, default=0.8)
     parser.add_argument("--seed", type=int, default=5)
     args = parser.parse_args()
-    problems = [json.loads(line) for line in args.problems.read_text().splitlines() if line.strip()]
+    problems = read_jsonl(args.problems)
     problems = problems[: args.limit or None]
     model, tokenizer = load_model(args.model)
     kv = KVPolicy(dms=load_adapter(model, adapter_path(args.model, args.cr))) if args.cr > 1 else None

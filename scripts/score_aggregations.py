@@ -16,6 +16,7 @@ from pathlib import Path
 
 from policies.extraction import answers_match
 from policies.voting import confidence_vote, majority_vote, weighted_vote
+from tasks.jsonl import read_jsonl
 
 RULES = {
     "majority": lambda t: majority_vote([x["answer"] for x in t]),
@@ -35,7 +36,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("records", type=Path, help="JSONL written by thinkpool eval --output")
     args = parser.parse_args()
-    records = [json.loads(line) for line in args.records.read_text().splitlines() if line.strip()]
+    records = read_jsonl(args.records)
     records = [r for r in records if r.get("threads")]
     if not records:
         raise SystemExit(f"{args.records}: no record keeps its threads (rerun thinkpool eval with --output)")

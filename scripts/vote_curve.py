@@ -18,25 +18,24 @@ from pathlib import Path
 from orchestrator.plots import plot_vote_curves
 from policies.extraction import answers_match
 from policies.voting import majority_vote
+from tasks.jsonl import read_jsonl
 
 
 def vote_curve(records: list[dict], draws: int, seed: int) -> dict[int, float]:
     """Mean accuracy of a majority vote over ``n`` random threads of each problem, for n = 1 .. the fewest kept."""
     rng = random.Random(seed)
-    most = min(len(r["threads"]) for r in records)
+    answers = [[t["answer"] for t in r["threads"]] for r in records]
     curve = {}
-    for n in range(1, most + 1):
-        right = 0
-        for record in records:
-            answers = [t["answer"] for t in record["threads"]]
-            right += sum(answers_match(majority_vote(rng.sample(answers, n)).answer, record["expected"]) for _ in range(draws))
+    for n in range(1, min(map(len, answers)) + 1):
+        right = sum(answers_match(majority_vote(rng.sample(kept, n)).answer, record["expected"])
+                    for kept, record in zip(answers, records) for _ in range(draws))
         curve[n] = round(right / (draws * len(records)), 4)
     return curve
 
 
 def read_records(path: Path) -> list[dict]:
     """An ``eval --output`` file's records; ValueError when one keeps no threads."""
-    records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    records = read_jsonl(path)
     if not records or not all(r.get("threads") for r in records):
         raise ValueError(f"{path}: every record must keep its threads (rerun thinkpool eval with --output)")
     return records

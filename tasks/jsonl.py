@@ -50,6 +50,11 @@ def read_problems(path: str | Path, limit: int | None = None) -> list[dict]:
     return records
 
 
+def read_jsonl(path: str | Path) -> list[dict]:
+    """Every non-blank line of a JSON Lines file (results, not problems: nothing is validated)."""
+    return [json.loads(line) for line in Path(path).read_text(encoding="utf-8").splitlines() if line.strip()]
+
+
 def write_jsonl(path: str | Path, records: Iterable[dict]) -> None:
     with Path(path).open("w", encoding="utf-8") as handle:
         for record in records:

@@ -63,8 +63,8 @@ def test_training_attention_gives_the_written_out_attention_and_its_gradients(de
         logits = (3 * torch.randn(batch, length, decisions, generator=torch.Generator().manual_seed(1))).requires_grad_()
         inputs = [t.clone().requires_grad_() for t in (query, key, value)]
         alpha = straight_through_alpha(shifted_decisions(logits), 0.1, noise=False)
-        if path in ("fused", "bias_mask"):
-            attend = evicting_attention if path == "fused" else _bias_mask_attention
+        if path != "explicit":
+            attend = {"fused": evicting_attention, "bias_mask": _bias_mask_attention}[path]
             out = attend(*inputs, alpha, allowed, window, None)
         else:
             bias = eviction_bias(alpha, length, window).expand(-1, kv_heads, -1, -1)

@@ -1,3 +1,7 @@
+import json
+import subprocess
+import sys
+
 from policies.extraction import answers_match, extract_chain_answer
 from policies.voting import majority_vote
 
@@ -24,10 +28,6 @@ def test_majority_vote_counts_and_breaks_ties_by_first_arrival():
 
 def test_vote_curve_script_draws_subsets_of_the_kept_threads(tmp_path):
     """``scripts/vote_curve.py`` on two problems: one whose threads are right 2 times in 3, one never right."""
-    import json
-    import subprocess
-    import sys
-
     records = [
         {"expected": "1", "correct": True, "threads": [{"answer": "1"}, {"answer": "1"}, {"answer": "2"}]},
         {"expected": "5", "correct": False, "threads": [{"answer": "4"}, {"answer": "6"}, {"answer": None}]},
