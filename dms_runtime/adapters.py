@@ -64,11 +64,15 @@ def save_adapter(path: str | Path, gates: nn.ModuleList, config: DMSConfig, base
 
 def set_threshold(path: str | Path, threshold: float, extra: dict | None = None) -> None:
     """Rewrite an adapter's decision threshold (and ``extra`` metadata) in place; the gate weights are unchanged."""
+    settings = json.loads(_raw_metadata(Path(path))["dms_config"])
+    update_metadata(path, {"dms_config": settings | {"threshold": float(threshold)}} | (extra or {}))
+
+
+def update_metadata(path: str | Path, entries: dict) -> None:
+    """Add or replace metadata ``entries`` of an adapter in place; the gate weights are unchanged."""
     path = Path(path)
     metadata = _raw_metadata(path)
-    settings = json.loads(metadata["dms_config"])
-    metadata["dms_config"] = json.dumps(settings | {"threshold": float(threshold)})
-    metadata.update({k: json.dumps(v) for k, v in (extra or {}).items()})
+    metadata.update({k: json.dumps(v) for k, v in entries.items()})
     _write(path, load_file(str(path)), metadata)
 
 

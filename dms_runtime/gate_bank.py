@@ -18,6 +18,7 @@ from torch import nn
 from dms_runtime.attach import DMSHandle, attach_dms
 from dms_runtime.config import DMSConfig
 from dms_runtime.gates import EvictionGate
+from dms_runtime.kv_growth import KVGrowth
 
 NO_GATE = -1
 NEVER = -1e9
@@ -58,11 +59,14 @@ class GateBank(nn.Module):
 
 
 class AdapterSet:
-    """The adapters a worker serves, by compression ratio, attached to its model as gate banks."""
+    """The adapters a worker serves, by compression ratio, attached to its model as gate banks, with what each
+    one's heads keep of a thread (its measured KV growth; DESIGN's ``1/cr`` for an adapter never measured)."""
 
-    def __init__(self, model: nn.Module, adapters: dict[float, tuple[nn.ModuleList, DMSConfig]]):
+    def __init__(self, model: nn.Module, adapters: dict[float, tuple[nn.ModuleList, DMSConfig]],
+                 growth: dict[float, KVGrowth] | None = None):
         self.ratios = sorted(adapters)
         self.windows = {cr: adapters[cr][1].window for cr in self.ratios}
+        self.growths = {cr: (growth or {}).get(cr) or KVGrowth.nominal(cr) for cr in self.ratios}
         c = model.config
         layers = c.num_hidden_layers
         self.banks = nn.ModuleList(

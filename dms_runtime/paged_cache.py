@@ -213,6 +213,24 @@ class PagedDMSCache(Cache):
         processed = self.layers[0].length.clamp(min=1).float() * len(self.layers) * self.layers[0].table.shape[1]
         return processed / self.held_slots().clamp(min=1).float()
 
+    def kept_fractions(self, prompt_lengths: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per row: of the tokens past its window, the fraction still held, all layers and heads pooled: among its
+        first ``prompt_lengths`` tokens (the prompt) and among the rest (what it generated). These are what an
+        adapter's KV growth (:mod:`dms_runtime.kv_growth`) is measured from; rows with none past the window get 1."""
+        prompt = prompt_lengths.to(self.layers[0].length.device)
+        held = {"prompt": 0, "generated": 0}
+        seen = {"prompt": 0, "generated": 0}
+        for layer in self.layers:
+            past = layer.length - layer.window - 1  # positions before this are past the window
+            heads = layer.table.shape[1]
+            in_prompt = layer.pos < prompt[:, None, None]
+            old = (layer.table >= 0) & (layer.pos < past[:, None, None])
+            held["prompt"] = held["prompt"] + (old & in_prompt).sum(dim=(1, 2))
+            held["generated"] = held["generated"] + (old & ~in_prompt).sum(dim=(1, 2))
+            seen["prompt"] = seen["prompt"] + heads * torch.minimum(prompt, past).clamp(min=0)
+            seen["generated"] = seen["generated"] + heads * (past - prompt).clamp(min=0)
+        return tuple(torch.where(seen[part] > 0, held[part] / seen[part].clamp(min=1), 1.0) for part in ("prompt", "generated"))
+
     def realized_compression(self) -> torch.Tensor:
         """Per row: tokens processed / tokens held, averaged over every layer's KV heads."""
         ratios = [layer.length[:, None].clamp(min=1).float() / (layer.table >= 0).sum(-1).clamp(min=1).float() for layer in self.layers]

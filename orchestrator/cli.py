@@ -230,6 +230,18 @@ def build_parser() -> argparse.ArgumentParser:
     retrofit.add_argument("--steps", type=bounded(int, 1), default=None, help="stop after this many steps")
     retrofit.add_argument("--thresholds-only", action="store_true",
                           help="do not train: fit the thresholds of the adapters already in the output directory")
+
+    growth = commands.add_parser("kv-growth", help="measure what each DMS adapter keeps of a thread; store it as its reservation")
+    growth.add_argument("--model", type=Path, required=True, help="model directory whose dms-<cr>x adapters to measure")
+    growth.add_argument("--cr", type=bounded(float, 1.01, 64), nargs="+", default=None, help="ratios (default: every adapter)")
+    growth.add_argument("--k", type=k_range, default=None, help="difficulties (default: each adapter's threshold-fit range)")
+    growth.add_argument("--problems", type=bounded(int, 1, 1000), default=16, help="fresh problems per adapter")
+    growth.add_argument("--threads", type=bounded(int, 1, 64), default=8, help="sampled threads per problem")
+    growth.add_argument("--temperature", type=bounded(float, 0.01, 5.0), default=settings.sampling.temperature)
+    growth.add_argument("--max-new-tokens", type=bounded(int, 16, 8192), default=settings.sampling.max_new_tokens)
+    growth.add_argument("--quantile", type=bounded(float, 0.5, 1.0), default=0.95, help="over threads, of the kept fractions")
+    growth.add_argument("--seed", type=int, default=9101)
+    growth.add_argument("--dry-run", action="store_true", help="print the measurement; leave the adapters as they are")
     return parser
 
 
@@ -237,6 +249,7 @@ COMMANDS = {  # command -> (module in orchestrator.commands, function); imported
     "solve": ("solve", "cmd_solve"), "eval": ("evaluate", "cmd_eval"), "bench": ("bench", "cmd_bench"),
     "serve": ("serve", "cmd_serve"), "batch": ("batch", "cmd_batch"), "calibrate": ("calibrate", "cmd_calibrate"), "info": ("model", "cmd_info"),
     "generate": ("model", "cmd_generate"), "train": ("model", "cmd_train"), "retrofit": ("model", "cmd_retrofit"),
+    "kv-growth": ("model", "cmd_kv_growth"),
 }
 
 

@@ -47,7 +47,8 @@ from policies.stopping import settled
 from policies.voting import confidence_vote, majority_vote
 from tasks.chain import ProblemError, parse_problem
 from tasks.prompt import format_prompt
-from workers.thread import SamplingParams, thread_kv_bytes
+from workers.kv_budget import KVBudgetModel
+from workers.thread import SamplingParams
 from workers.worker import ProblemRequest
 
 CHUNK = 4  # threads per run_chunk task: the unit of work that survives a controller crash
@@ -100,10 +101,13 @@ class Controller:
     def __init__(self, pool, profile: CalibrationProfile, tokenizer, kv_bytes_per_token: int, ratios: list[float],
                  temperature: float | None = None, first_round: int = 4, threshold: float = 0.95, weighting: str = "majority",
                  greedy_first: bool = True, confident_logprob: float = -0.5, min_gain: float = 0.02,
-                 checkpointer=None, on_chunk=None, allocator: ThreadAllocator | None = None):
+                 checkpointer=None, on_chunk=None, allocator: ThreadAllocator | None = None,
+                 budget_model: KVBudgetModel | None = None):
         self.pool, self.profile, self.tokenizer = pool, profile, tokenizer
-        self.kv_bytes_per_token = kv_bytes_per_token
         self.ratios = sorted(ratios)
+        # The workers' model (their info's ``budget_model``) counts memory as their admission does; without it,
+        # DESIGN's 1/cr at the profile's window.
+        self.budget_model = budget_model or KVBudgetModel.nominal(kv_bytes_per_token, self.ratios, profile.window)
         # Sampled threads run at the profile's nucleus and (unless told otherwise) its temperature: its accuracies
         # hold only there.
         self.temperature = profile.temperature if temperature is None else temperature
@@ -117,14 +121,15 @@ class Controller:
         self.allocator = allocator  # shared by the controllers of tasks that run at once (None: no ranking)
         self.graph = self._build().compile(checkpointer=checkpointer if checkpointer is not None else make_checkpointer())
 
-    # -- the budget model ----------------------------------------------------------------------------
-    def thread_bytes(self, cr: float, prompt_tokens: int, max_new_tokens: int) -> int:
-        """KV bytes one thread may grow to at ``cr`` (the engine's admission estimate)."""
-        return thread_kv_bytes(self.kv_bytes_per_token, prompt_tokens + max_new_tokens, cr, self.profile.window)
+    # -- the budget model ---------------------------------------------------------------------------
+    def kv_bytes(self, state: SolveState, cr: float, threads: int, max_new_tokens: int | None = None) -> int:
+        """KV bytes ``threads`` threads of this task (one prefill) may grow to at ``cr``: what the engine reserves."""
+        limit = state["max_new_tokens"] if max_new_tokens is None else max_new_tokens
+        return self.budget_model.group_bytes(cr, state["prompt_tokens"], limit, threads)
 
     def fits(self, state: SolveState, cr: float) -> int:
         """Threads of this task that fit in its KV budget at once at ratio ``cr``."""
-        return state["kv_budget_bytes"] // self.thread_bytes(cr, state["prompt_tokens"], state["max_new_tokens"])
+        return self.budget_model.threads_that_fit(state["kv_budget_bytes"], cr, state["prompt_tokens"], state["max_new_tokens"])
 
     # -- nodes ---------------------------------------------------------------------------------------
     def assess(self, state: SolveState) -> dict:
@@ -136,7 +141,7 @@ class Controller:
 
     def plan(self, state: SolveState) -> dict:
         chosen = plan(self.profile, state["k"], state["kv_budget_bytes"],
-                      lambda cr: self.thread_bytes(cr, state["prompt_tokens"], self.profile.max_new_tokens), self.ratios,
+                      lambda cr, n: self.kv_bytes(state, cr, n, self.profile.max_new_tokens), self.ratios,
                       max_threads=state["max_threads"])
         # With a greedy first thread, a plan of n sampled threads runs n + 1 threads in all.
         extra = int(self.greedy_first and not chosen.greedy)
@@ -160,7 +165,7 @@ class Controller:
         used = len(state.get("threads", []))
         gain = (self.expected_accuracy(state["k"], state["cr"], used + len(samples))
                 - self.expected_accuracy(state["k"], state["cr"], used))
-        cost = len(samples) * self.thread_bytes(state["cr"], state["prompt_tokens"], state["max_new_tokens"])
+        cost = self.kv_bytes(state, state["cr"], len(samples))
         greedy = self.greedy_round(samples)
         return {"round_samples": samples, "next_sample": samples[-1] + 1, "round_priority": gain / cost,
                 "rounds": [{"event": "round", "cr": state["cr"], "threads": len(samples), "greedy": greedy}]}
@@ -171,12 +176,11 @@ class Controller:
 
     def fan_out(self, state: SolveState) -> list[Send]:
         samples = state["round_samples"]
-        per_thread = self.thread_bytes(state["cr"], state["prompt_tokens"], state["max_new_tokens"])
         return [
             Send("run_chunk", ChunkState(task_id=state["task_id"], prompt=state["prompt"], seed=state["seed"], cr=state["cr"],
                                          max_new_tokens=state["max_new_tokens"], samples=samples[i : i + CHUNK],
                                          temperature=0.0 if self.greedy_round(samples) else self.temperature,
-                                         kv_bytes=len(samples[i : i + CHUNK]) * per_thread,
+                                         kv_bytes=self.kv_bytes(state, state["cr"], len(samples[i : i + CHUNK])),
                                          priority=state.get("round_priority", 0.0)))
             for i in range(0, len(samples), CHUNK)
         ]
@@ -292,9 +296,10 @@ def make_checkpointer():
 
 
 def check_budget(profile: CalibrationProfile, kv_bytes_per_token: int, ratios: list[float], prompt_tokens: int,
-                 budget: Budget) -> None:
+                 budget: Budget, budget_model: KVBudgetModel | None = None) -> None:
     """Raise ``ValueError`` (naming ``kv_budget``) before any work if the budget holds no thread at any ratio."""
-    needed = min(thread_kv_bytes(kv_bytes_per_token, prompt_tokens + profile.max_new_tokens, cr, profile.window) for cr in ratios)
+    model = budget_model or KVBudgetModel.nominal(kv_bytes_per_token, ratios, profile.window)
+    needed = min(model.group_bytes(cr, prompt_tokens, profile.max_new_tokens) for cr in ratios)
     if budget.kv_budget_bytes < needed:
         raise ValueError(f"kv_budget: {budget.kv_budget_bytes} bytes cannot hold one thread "
                          f"(the smallest, at {max(ratios):g}x, needs {needed} bytes)")

@@ -18,7 +18,8 @@ from orchestrator.settings import get_settings
 from policies.planner import CalibrationProfile
 from policies.voting import majority_vote
 from tasks.prompt import format_prompt
-from workers.thread import SamplingParams, thread_kv_bytes
+from workers.kv_budget import KVBudgetModel
+from workers.thread import SamplingParams
 from workers.worker import ProblemRequest
 
 DEFAULT_PROFILE = Path(__file__).resolve().parent.parent / "configs" / "calibration_chain.json"
@@ -30,6 +31,7 @@ class SolveService:
         self.info = pool.info()
         self.settings = get_settings()
         self.ratios = [float(r) for r in self.info["ratios"]]
+        self.budget_model = KVBudgetModel.from_dict(self.info["budget_model"])
         self.profile = CalibrationProfile.load(profile_path) if profile_path and Path(profile_path).is_file() else None
         self.controller = None
         if self.profile is not None:
@@ -37,7 +39,7 @@ class SolveService:
             # Concurrent solves share the workers' KV memory; rounds wait for it by expected gain per byte.
             capacity = self.info["kv_budget_bytes"] * max(1, self.info["workers"])
             self.controller = Controller(pool, self.profile, tokenizer, self.info["geometry"]["kv_bytes_per_token"], ratios,
-                                         checkpointer=checkpointer,
+                                         checkpointer=checkpointer, budget_model=self.budget_model,
                                          on_chunk=self._chunk_done, allocator=ThreadAllocator(capacity))
         self._listeners: dict[str, object] = {}  # job id -> on_event(name, data)
 
@@ -59,8 +61,7 @@ class SolveService:
         limit = request.max_tokens or self.settings.sampling.max_new_tokens
         fixed = request.mode == "fixed" or request.samples != "auto" or self.controller is None
         ratios = [request.cr or 1.0] if fixed else self.ratios  # the controller may pick any ratio
-        needed = min(thread_kv_bytes(self.info["geometry"]["kv_bytes_per_token"], tokens + limit, cr,
-                                     self.info["windows"][cr]) for cr in ratios)
+        needed = min(self.budget_model.group_bytes(cr, tokens, limit) for cr in ratios)
         if budget < needed:
             raise ValueError(f"kv_budget: {budget} bytes cannot hold one thread of {tokens + limit} tokens "
                              f"(it needs {needed} bytes)")

@@ -99,20 +99,20 @@ class Plan:
     expected_tokens: float
 
 
-def plan(profile: CalibrationProfile, k: int | None, kv_budget_bytes: int, thread_bytes, ratios: list[float],
+def plan(profile: CalibrationProfile, k: int | None, kv_budget_bytes: int, group_bytes, ratios: list[float],
          max_threads: int = 64, tolerance: float = 0.01) -> Plan:
-    """The configuration to run a task of difficulty ``k`` with; ``thread_bytes(cr)`` is one thread's reservation.
+    """The configuration to run a task of difficulty ``k`` with; ``group_bytes(cr, n)`` is what n threads reserve.
 
     Raises ``ValueError`` when not even one thread fits the budget."""
     options = []
     for entry in profile.entries_for(k):
         if entry.cr not in ratios or entry.threads > max_threads:
             continue
-        if entry.threads * thread_bytes(entry.cr) > kv_budget_bytes:
+        if group_bytes(entry.cr, entry.threads) > kv_budget_bytes:
             continue
         options.append(entry)
     if not options:
-        cheapest = min(thread_bytes(cr) for cr in ratios)
+        cheapest = min(group_bytes(cr, 1) for cr in ratios)
         raise ValueError(f"kv_budget: {kv_budget_bytes} bytes cannot hold one thread (the smallest needs {cheapest} bytes)")
     best = max(options, key=lambda e: e.accuracy)
 

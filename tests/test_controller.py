@@ -51,19 +51,24 @@ def test_policies_on_hand_made_votes():
         get_extractor("poetry")
 
 
+def linear(per_thread: dict[float, int]):
+    """A planner's ``group_bytes`` for threads that share nothing: n threads cost n times one."""
+    return lambda cr, n: n * per_thread[cr]
+
+
 def test_planner_picks_the_most_accurate_fit_and_the_cheapest_among_equals():
     p = profile()
     per_thread = {1: 400 * KV_PER_TOKEN, 4: 120 * KV_PER_TOKEN, 8: 60 * KV_PER_TOKEN}
-    big = plan(p, 18, 10**9, per_thread.get, [1, 4, 8])
+    big = plan(p, 18, 10**9, linear(per_thread), [1, 4, 8])
     assert (big.cr, big.threads) == (8, 16)
-    small = plan(p, 18, 16 * 120 * KV_PER_TOKEN, per_thread.get, [1, 4, 8])  # 16 threads fit at 4x and 8x only
+    small = plan(p, 18, 16 * 120 * KV_PER_TOKEN, linear(per_thread), [1, 4, 8])  # 16 threads fit at 4x and 8x only
     assert (small.cr, small.threads) == (8, 16)
-    tight = plan(p, 18, 4 * 60 * KV_PER_TOKEN, per_thread.get, [1, 4, 8])  # only 4 threads at 8x fit
+    tight = plan(p, 18, 4 * 60 * KV_PER_TOKEN, linear(per_thread), [1, 4, 8])  # only 4 threads at 8x fit
     assert (tight.cr, tight.threads) == (8, 4)
-    easy = plan(p, 3, 10**9, per_thread.get, [1, 4, 8])
+    easy = plan(p, 3, 10**9, linear(per_thread), [1, 4, 8])
     assert (easy.cr, easy.threads) == (1, 4)  # within a point of the best (x16), with a quarter of the tokens
     with pytest.raises(ValueError, match="kv_budget"):
-        plan(p, 18, 1000, per_thread.get, [1, 4, 8])
+        plan(p, 18, 1000, linear(per_thread), [1, 4, 8])
 
 
 def test_planner_plans_one_greedy_thread_when_no_vote_is_expected_to_beat_it():
@@ -71,9 +76,9 @@ def test_planner_plans_one_greedy_thread_when_no_vote_is_expected_to_beat_it():
     p.entries += [ProfileEntry(k_min=1, k_max=10, cr=1, threads=1, greedy=True, accuracy=0.975, tokens_per_thread=1000),
                   ProfileEntry(k_min=11, k_max=20, cr=1, threads=1, greedy=True, accuracy=0.7, tokens_per_thread=2000)]
     per_thread = {1: 400 * KV_PER_TOKEN, 4: 120 * KV_PER_TOKEN, 8: 60 * KV_PER_TOKEN}
-    easy = plan(p, 3, 10**9, per_thread.get, [1, 4, 8])
+    easy = plan(p, 3, 10**9, linear(per_thread), [1, 4, 8])
     assert (easy.cr, easy.threads, easy.greedy) == (1, 1, True)  # within a point of the best vote, a quarter of its tokens
-    hard = plan(p, 18, 10**9, per_thread.get, [1, 4, 8])
+    hard = plan(p, 18, 10**9, linear(per_thread), [1, 4, 8])
     assert (hard.cr, hard.threads, hard.greedy) == (8, 16, False)  # 16 threads at 8x vote 0.8 > greedy 0.7
     assert p.greedy_accuracy(18, 1) == 0.7 and p.greedy_accuracy(18, 4) is None
     assert p.accuracy(18, 1, 1) == 0.5  # sampled entries ignore the greedy one
@@ -85,7 +90,7 @@ def test_planner_does_not_trade_a_greedy_thread_for_a_vote_the_profile_cannot_re
     p.entries += [ProfileEntry(k_min=11, k_max=20, cr=cr, threads=1, greedy=True, accuracy=0.7, tokens_per_thread=2000)
                   for cr in (1, 8)]
     per_thread = {1: 400 * KV_PER_TOKEN, 4: 120 * KV_PER_TOKEN, 8: 60 * KV_PER_TOKEN}
-    measured_on = {n: plan(p.model_copy(update={"problems": n}), 18, 10**9, per_thread.get, [1, 4, 8]) for n in (16, 400)}
+    measured_on = {n: plan(p.model_copy(update={"problems": n}), 18, 10**9, linear(per_thread), [1, 4, 8]) for n in (16, 400)}
     # 0.8 against 0.7 is 1.6 problems in 16: one greedy thread, uncompressed (the lowest of the equal ratios)
     assert (measured_on[16].cr, measured_on[16].threads, measured_on[16].greedy) == (1, 1, True)
     assert (measured_on[400].cr, measured_on[400].threads) == (8, 16)  # on 400 problems the vote's 10 points are real

@@ -7,9 +7,11 @@ import torch
 from dms_runtime.config import DMSConfig
 from dms_runtime.gate_bank import AdapterSet
 from dms_runtime.gates import build_gates
+from dms_runtime.kv_growth import KVGrowth
 from dms_runtime.attach import attach_dms
 from dms_runtime.tokenizer import build_tokenizer
 from workers.engine import BudgetError, Engine
+from workers.kv_budget import KVBudgetModel
 from workers.thread import SamplingParams
 
 from tests.test_dms import tiny
@@ -143,7 +145,8 @@ def test_pool_is_never_overrun_and_preempted_threads_resume_identically(tokenize
     slot_bytes = roomy.pool.slot_bytes * roomy.slots_per_token
     # Room for about 3 threads' reservations: the burst must queue; an underestimate forces preemption.
     tight = engine_for(model, tokenizer, budget=3 * 75 * slot_bytes)
-    tight.scheduler.reservation = lambda thread: tight.slots_per_token * 20  # admission trusts a bad estimate
+    # Admission trusts a growth estimate far too low: threads keep ten times what it reserves.
+    tight.scheduler.budget_model = KVBudgetModel(tight.budget_model.kv_bytes_per_token, growths={1.0: KVGrowth(0.1, 0.1)})
     for i in range(6):
         tight.submit(str(i), PROMPTS[i % 3], [0, 1], SamplingParams(temperature=0.8, max_new_tokens=60, seed=i))
     peak_used = 0

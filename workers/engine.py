@@ -21,6 +21,7 @@ from dms_runtime.loading import kv_geometry
 from dms_runtime.paged_cache import PagedDMSCache
 from workers.sampler import sample_rows
 from workers.scheduler import Scheduler
+from workers.kv_budget import KVBudgetModel
 from workers.thread import SamplingParams, StopRule, Thread, ThreadResult
 
 PREFILL_CHUNK = 128  # prompt tokens per prefill pass: bounds the slots a prefill holds before eviction
@@ -65,7 +66,8 @@ class Engine:
         self.layers, self.kv_heads = geometry.num_layers, geometry.num_kv_heads
         self.slots_per_token = geometry.num_layers * geometry.num_kv_heads
         self.cache = self._new_cache()
-        self.scheduler = Scheduler(self.pool.capacity, self.slots_per_token, adapters.window, max_running)
+        self.budget_model = KVBudgetModel(geometry.kv_bytes_per_token, adapters.windows, adapters.growths)
+        self.scheduler = Scheduler(self.pool.capacity, self.slots_per_token, self.budget_model, max_running)
         self.stop = StopRule.for_tokenizer(tokenizer)
         self.rows: list[Thread] = []  # the running threads, in the cache's row order
         self.next_input = torch.zeros(0, dtype=torch.long)  # per row: the token to feed next
@@ -108,13 +110,10 @@ class Engine:
 
     def fit(self, prompt: str, params: SamplingParams, cr: float) -> int:
         """How many threads of this request the whole pool holds at once (admitted together, they share the prompt)."""
-        prompt_ids = self.tokenizer(prompt)["input_ids"]
-        group: list[Thread] = []
-        while len(group) < self.scheduler.max_running:  # a group's reservation only grows with its size
-            group.append(Thread("fit", len(group), prompt_ids, params, cr))
-            if self.scheduler.group_reservation(group) > self.pool.capacity:
-                return len(group) - 1
-        return len(group)
+        self.adapters.index(cr)  # an unknown ratio fails here
+        prompt_tokens = len(self.tokenizer(prompt)["input_ids"])
+        fit = self.budget_model.threads_that_fit(self.pool.budget_bytes, cr, prompt_tokens, params.max_new_tokens)
+        return min(fit, self.scheduler.max_running)
 
     def close(self) -> None:
         """Detach the gate banks from the model (another engine or a DMS handle may then use it)."""
@@ -211,10 +210,14 @@ class Engine:
         rows = self._row_indices(threads)
         ratios = self.cache.realized_compression()[rows].tolist()
         memory = self.cache.memory_compression()[rows].tolist()
-        results = [t.result(self.tokenizer, r, m) for t, r, m in zip(threads, ratios, memory)]
+        prompt_kept, generated_kept = (f[rows].tolist() for f in self.cache.kept_fractions(self._prompt_lengths()))
+        results = [t.result(self.tokenizer, r, m, kept) for t, r, m, kept in zip(threads, ratios, memory, zip(prompt_kept, generated_kept))]
         self.scheduler.finish(threads)
         self._drop(threads)
         return results
+
+    def _prompt_lengths(self) -> torch.Tensor:
+        return torch.tensor([len(t.prompt_ids) for t in self.rows], dtype=torch.long)
 
     def _row_indices(self, threads: list[Thread]) -> list[int]:
         row = {id(t): i for i, t in enumerate(self.rows)}

@@ -1,28 +1,27 @@
 """Admission control: which waiting threads may start, and which running ones give way when memory runs short.
 
 A thread is admitted only when the pool can hold what every admitted thread can grow to: its prompt
-plus its token limit, compressed at its ratio (``tokens_per_head``: the window, then ``1/cr`` of the rest),
-for every layer and KV head. Fresh threads of the same problem and ratio that are admitted together share
-one prefill of their prompt, and its slots (reference-counted in the pool): such a group reserves the
-prompt once. Admission is first come, first served; a preempted thread goes back to the front of the queue
+plus its token limit, for every layer and KV head, at its ratio's KV growth (``group_tokens_per_head``:
+the window, then the fractions of prompt and generated tokens the ratio keeps; measured per adapter, else
+``1/cr``). Fresh threads of the same problem and ratio that are admitted together share one prefill of
+their prompt, and its slots (reference-counted in the pool): such a group reserves the prompt once. Admission is first come, first served; a preempted thread goes back to the front of the queue
 (and, replaying its own tokens, shares nothing when it resumes). When a step would need more slots than
-are free (a thread compressing less than its ratio promised), the most recently admitted threads are
+are free (threads keeping more than their ratio's growth), the most recently admitted threads are
 preempted until it fits.
 """
 
 from __future__ import annotations
 
 from collections import deque
-from typing import Callable
-
-from workers.thread import Status, Thread, tokens_per_head
+from workers.kv_budget import KVBudgetModel, group_tokens_per_head
+from workers.thread import Status, Thread
 
 
 class Scheduler:
-    def __init__(self, capacity_slots: int, slots_per_token: int, window_of: Callable[[float], int], max_running: int):
+    def __init__(self, capacity_slots: int, slots_per_token: int, budget_model: KVBudgetModel, max_running: int):
         self.capacity = capacity_slots
         self.slots_per_token = slots_per_token  # layers x KV heads
-        self.window_of = window_of
+        self.budget_model = budget_model
         self.max_running = max_running
         self.waiting: deque[Thread] = deque()
         self.running: list[Thread] = []  # admitted threads (the engine keeps their batch-row order)
@@ -30,16 +29,18 @@ class Scheduler:
 
     def reservation(self, thread: Thread) -> int:
         """Slots ``thread`` may grow to on its own."""
-        return self.slots_per_token * tokens_per_head(thread.total_length, thread.cr, self.window_of(thread.cr))
+        return self.group_reservation([thread])
 
     def group_reservation(self, threads: list[Thread]) -> int:
-        """Slots threads that share one prefill may grow to together. Each holds at most its own reservation, of
-        which at most its token limit are tokens it made; the rest are references to the shared prompt, whose
-        slots exist once. For one thread this is its reservation; for vanilla threads, prompt + n x limit."""
-        own = [self.reservation(t) for t in threads]
-        made = [min(self.slots_per_token * t.params.max_new_tokens, r) for t, r in zip(threads, own)]
-        prompt = self.slots_per_token * len(threads[0].prompt_ids) if threads else 0
-        return min(prompt, sum(own) - sum(made)) + sum(made)
+        """Slots threads that share one prefill (one problem, one ratio) may grow to together: the prompt once,
+        and each thread's own tokens."""
+        if not threads:
+            return 0
+        first = threads[0]
+        model = self.budget_model
+        tokens = group_tokens_per_head(len(first.prompt_ids), [t.params.max_new_tokens for t in threads],
+                                       model.window(first.cr), model.growth(first.cr))
+        return self.slots_per_token * tokens
 
     def reserved(self) -> int:
         groups: dict[int, list[Thread]] = {}

@@ -69,6 +69,10 @@ class ThreadResult:
     # one near-tie decided the wrong way is how a chain of thought goes wrong, so a thread whose every
     # choice was clear-cut is the one to trust (DeepConf's "lowest confidence" signal).
     min_logprob: float = 0.0
+    # Of the tokens past the window at the end, the fractions still held (layers and heads pooled): of the prompt
+    # and of the thread's own tokens. What ``thinkpool kv-growth`` measures an adapter's reservation from.
+    prompt_kept: float = 1.0
+    generated_kept: float = 1.0
 
 
 @dataclass(eq=False)
@@ -117,24 +121,11 @@ class Thread:
             return True
         return False
 
-    def result(self, tokenizer, realized_cr: float, kv_cr: float = 1.0) -> ThreadResult:
+    def result(self, tokenizer, realized_cr: float, kv_cr: float = 1.0, kept: tuple[float, float] = (1.0, 1.0)) -> ThreadResult:
         text = tokenizer.decode(self.tokens, skip_special_tokens=True)
         count = len(self.tokens) + (self.finish_reason == "eos")
         mean = self.logprob_sum / count if count else -math.inf
         return ThreadResult(
             self.problem_id, self.sample_index, text, count, extract_chain_answer(text), mean, realized_cr,
-            self.cr, self.finish_reason or "cancelled", self.preemptions, kv_cr, self.logprob_min,
+            self.cr, self.finish_reason or "cancelled", self.preemptions, kv_cr, self.logprob_min, *kept,
         )
-
-
-def thread_kv_bytes(kv_bytes_per_token: int, length: int, cr: float, window: int) -> int:
-    """KV bytes a thread of ``length`` tokens may grow to at ratio ``cr`` (all layers and KV heads)."""
-    return kv_bytes_per_token * tokens_per_head(length, cr, window)
-
-
-def tokens_per_head(length: int, cr: float, window: int) -> int:
-    """Tokens a head holds at the end of a ``length``-token sequence at ratio ``cr`` (DESIGN's budget model)."""
-    if cr <= 1:
-        return length
-    inside = min(length, window + 1)
-    return inside + math.ceil((length - inside) / cr)

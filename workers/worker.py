@@ -20,8 +20,9 @@ from typing import AsyncIterator
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
-from dms_runtime.adapters import load_gates
+from dms_runtime.adapters import adapter_path, load_gates
 from dms_runtime.gate_bank import AdapterSet
+from dms_runtime.kv_growth import read_kv_growth
 from dms_runtime.loading import default_model_path, kv_geometry, load_model
 from workers.engine import Engine
 from workers.thread import SamplingParams, ThreadResult
@@ -85,11 +86,13 @@ def build_engine(config: WorkerConfig) -> Engine:
     device = config.device if config.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     model, tokenizer = load_model(config.model, device=device, dtype=dtype)
-    adapters = {cr: load_gates(model, Path(config.model) / f"dms-{cr:g}x.safetensors") for cr in available_ratios(config.model)}
+    paths = {cr: adapter_path(config.model, cr) for cr in available_ratios(config.model)}
+    adapters = {cr: load_gates(model, path) for cr, path in paths.items()}
+    growth = {cr: read_kv_growth(path) for cr, path in paths.items()}
     budget = config.kv_budget_bytes
     if budget is None:
         budget = int(torch.cuda.mem_get_info()[0] * config.gpu_memory_fraction) if device == "cuda" else DEFAULT_KV_BUDGET
-    return Engine(model, tokenizer, AdapterSet(model, adapters), budget, config.max_running)
+    return Engine(model, tokenizer, AdapterSet(model, adapters, growth), budget, config.max_running)
 
 
 class ModelWorker:
@@ -184,6 +187,7 @@ class ModelWorker:
             "model": self.config.model,
             "ratios": [1.0] + list(self.engine.adapters.ratios),
             "windows": {cr: self.engine.adapters.window(cr) for cr in [1.0] + list(self.engine.adapters.ratios)},
+            "budget_model": self.engine.budget_model.as_dict(),
             "kv_budget_bytes": self.engine.pool.budget_bytes,
             "geometry": kv_geometry(self.engine.model).as_dict(),
             "device": str(self.engine.pool.keys.device),

@@ -97,6 +97,7 @@ def make_controller(args, parser, problems: list[dict], model_dir, pool):
     from orchestrator.controller import Budget, Controller, check_budget as controller_budget
     from policies.planner import CalibrationProfile
     from tasks.prompt import format_prompt
+    from workers.kv_budget import KVBudgetModel
     from workers.worker import available_ratios
 
     if not args.profile.is_file():
@@ -108,12 +109,14 @@ def make_controller(args, parser, problems: list[dict], model_dir, pool):
     tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
     budget = Budget(kv_budget_bytes=args.kv_budget, max_threads=args.max_threads)
     longest = max((p["prompt"] for p in problems), key=len)
+    budget_model = KVBudgetModel.from_dict(info["budget_model"])
     try:
-        controller_budget(profile, info["geometry"]["kv_bytes_per_token"], ratios, len(tokenizer(format_prompt(longest))["input_ids"]), budget)
+        controller_budget(profile, budget_model.kv_bytes_per_token, ratios, len(tokenizer(format_prompt(longest))["input_ids"]),
+                          budget, budget_model)
     except ValueError as error:
         pool.shutdown()
         parser.error(f"argument --kv-budget: {error}")
-    controller = Controller(pool, profile, tokenizer, info["geometry"]["kv_bytes_per_token"], ratios)
+    controller = Controller(pool, profile, tokenizer, budget_model.kv_bytes_per_token, ratios, budget_model=budget_model)
     return controller, budget
 
 

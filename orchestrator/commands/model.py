@@ -1,4 +1,4 @@
-"""``thinkpool info | generate | train | retrofit``: the model and its training."""
+"""``thinkpool info | generate | train | retrofit | kv-growth``: the model, its training and its adapters' measurements."""
 
 from __future__ import annotations
 
@@ -106,3 +106,25 @@ def fit_adapter_thresholds(config, parser, problems: int) -> int:
     print(describe(fit_thresholds(model_dir, config.output_dir, config.ratios, config.k_min, config.k_max, problems, config.threshold_seed)))
     return 0
 
+
+
+def cmd_kv_growth(args, parser) -> int:
+    from dataclasses import asdict
+
+    from orchestrator import kv_growth
+    from workers.worker import available_ratios
+
+    if not (args.model / "config.json").is_file():
+        parser.error(f"argument --model: no model at {args.model}")
+    served = available_ratios(args.model)
+    missing = [f"{cr:g}x" for cr in args.cr or [] if cr not in served]
+    if missing or not served:
+        parser.error(f"argument --cr: no adapter for {', '.join(missing) or 'any ratio'} in {args.model} "
+                     f"(it has {', '.join(f'{cr:g}x' for cr in served) or 'none'})")
+    fits = kv_growth.measure_kv_growth(args.model, args.cr, args.problems, args.threads, args.k, args.seed,
+                                       args.temperature, args.max_new_tokens, args.quantile)
+    if not args.dry_run:
+        kv_growth.store(args.model, fits)
+    for fit in fits:
+        print(json.dumps(asdict(fit)))
+    return 0

@@ -1,0 +1,99 @@
+"""``thinkpool kv-growth``: measure what each DMS adapter's heads keep of a thread, and store it with the adapter.
+
+Admission control reserves, for every thread, what it can grow to. DESIGN's model says a head keeps the
+window and ``1/cr`` of the rest, but a ratio is a mean over heads and over whole sequences, and trained gates
+spend it unevenly: the shipped 8x adapters keep most of the prompt (the values asked for later) and about a
+thirteenth of the scratch work a thread generates, so reserving ``1/cr`` of the token limit leaves half the
+pool unused. Here each adapter runs sampled threads through the engine on fresh problems; the fractions kept
+of prompt and of generated tokens (past the window, layers and heads pooled) are taken at a high quantile
+over threads, so that most threads hold less than their reservation and the rest are what preemption is for.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from tqdm import tqdm
+
+from dms_runtime.adapters import adapter_path, read_adapter_metadata, update_metadata
+from dms_runtime.kv_growth import KVGrowth
+from tasks.chain import generate_suite
+from tasks.prompt import format_prompt
+from workers.thread import SamplingParams, ThreadResult
+from workers.worker import WorkerConfig, available_ratios, build_engine
+
+QUANTILE = 0.95
+# A thread counts when this many of its own tokens left the window: reservations are for threads at their token
+# limit, and the fraction a short thread keeps of its few tokens is noisy (4 of 21 is 0.19).
+MIN_PAST_WINDOW = 256
+MEASURE_POOL_BYTES = 256 * 2**20  # room for every measured thread at once: nothing waits, nothing is preempted
+
+
+@dataclass(frozen=True)
+class KVGrowthFit:
+    cr: float
+    prompt: float  # fraction of prompt tokens kept, at ``quantile`` over threads
+    generated: float  # fraction of generated tokens kept past the window, at ``quantile``
+    quantile: float
+    threads: int  # threads measured (those with enough tokens past the window)
+    problems: int
+    k: tuple[int, int]
+    seed: int
+    temperature: float
+    max_new_tokens: int
+
+    @property
+    def growth(self) -> KVGrowth:
+        return KVGrowth(self.prompt, self.generated)
+
+
+def quantile(values: list[float], q: float) -> float:
+    """The nearest-rank ``q`` quantile (an observed value: never below what that share of threads kept)."""
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, max(0, math.ceil(q * len(ordered)) - 1))]
+
+
+def adapter_k_range(model_dir: str | Path, cr: float) -> tuple[int, int]:
+    """The difficulties an adapter was calibrated on (its threshold fit), else the whole chain range."""
+    fit = read_adapter_metadata(adapter_path(model_dir, cr)).get("threshold_fit") or {}
+    return tuple(fit.get("k", (1, 20)))
+
+
+def measure_kv_growth(model_dir: str | Path, ratios: list[float] | None = None, problems: int = 16, threads: int = 8,
+                      k: tuple[int, int] | None = None, seed: int = 9101, temperature: float = 0.8,
+                      max_new_tokens: int = 1536, q: float = QUANTILE, progress: bool = True) -> list[KVGrowthFit]:
+    """Run ``threads`` sampled threads on each of ``problems`` fresh problems per adapter; return the growth fits."""
+    engine = build_engine(WorkerConfig(model=str(model_dir), kv_budget_bytes=MEASURE_POOL_BYTES, device="cpu"))
+    params = SamplingParams(temperature=temperature, max_new_tokens=max_new_tokens, seed=seed)
+    fits = []
+    try:
+        for cr in ratios or available_ratios(model_dir):
+            k_range = k or adapter_k_range(model_dir, cr)
+            suite = generate_suite(problems, *k_range, seed=seed)
+            for problem in suite:
+                engine.submit(problem["id"], format_prompt(problem["prompt"]), list(range(threads)), params, cr)
+            with tqdm(total=problems * threads, desc=f"kv growth {cr:g}x", unit="thread", disable=not progress) as bar:
+                results = engine.run(on_result=lambda _: bar.update(1))
+            counted = [r for r in results if counts(r, engine.adapters.window(cr))]
+            if not counted:
+                raise ValueError(f"no thread at {cr:g}x generated {MIN_PAST_WINDOW} tokens past its window")
+            fits.append(KVGrowthFit(cr, quantile([r.prompt_kept for r in counted], q),
+                                    quantile([r.generated_kept for r in counted], q), q, len(counted), problems,
+                                    k_range, seed, temperature, max_new_tokens))
+    finally:
+        engine.close()
+    return fits
+
+
+def counts(result: ThreadResult, window: int) -> bool:
+    return result.tokens - window - 1 >= MIN_PAST_WINDOW
+
+
+def store(model_dir: str | Path, fits: list[KVGrowthFit]) -> None:
+    """Write each fit into its adapter's metadata (``kv_growth``), where workers read their reservations from."""
+    for fit in fits:
+        entry = asdict(fit)
+        entry.pop("cr")
+        update_metadata(adapter_path(model_dir, fit.cr), {"kv_growth": entry})
