@@ -106,6 +106,9 @@ class RetrofitConfig(BaseModel):
     # solves of fresh problems (seeded by threshold_seed; see orchestrator.thresholds); 0 keeps threshold 0.
     threshold_problems: int = Field(0, ge=0)
     threshold_seed: int = 9001
+    # Then measure what each adapter keeps of a thread on this many fresh problems (8 sampled threads each), the
+    # reservation workers admit threads by (``thinkpool kv-growth``; adapters beside their model only); 0 skips.
+    kv_growth_problems: int = Field(16, ge=0)
     # A finished run's output directory (its weights, with full fine-tuning, and every ratio's adapter): training
     # goes on from there, with a fresh optimizer, up to total_steps. A longer run without repeating its warm start.
     continue_from: str | None = None

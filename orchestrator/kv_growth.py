@@ -12,6 +12,7 @@ over threads, so that most threads hold less than their reservation and the rest
 from __future__ import annotations
 
 import math
+import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -97,3 +98,7 @@ def store(model_dir: str | Path, fits: list[KVGrowthFit]) -> None:
         entry = asdict(fit)
         entry.pop("cr")
         update_metadata(adapter_path(model_dir, fit.cr), {"kv_growth": entry})
+
+
+def describe(fits: list[KVGrowthFit]) -> str:
+    return "\n".join(json.dumps(asdict(fit)) for fit in fits)

@@ -70,6 +70,8 @@ def test_solve_and_info():
         (("generate", "--n", "3", "--k", "0-30", "--output", "x.jsonl"), "argument --k"),
         (("info", "--model", "/nonexistent"), "argument --model: no model at /nonexistent"),
         (("retrofit", "--thresholds-only", "--output", "{tmp}"), "argument --thresholds-only: no trained adapter at"),
+        (("kv-growth", "--model", "checkpoints/chain-qwen3-dms-8x-long", "--cr", "4"), "argument --cr: no adapter for 4x"),
+        (("kv-growth", "--model", "checkpoints/chain-qwen3-dms-8x-long", "--quantile", "2"), "argument --quantile"),
     ],
 )
 def test_bad_input_exits_2_with_a_clear_message(args, message, easy_file, tmp_path):

@@ -11,7 +11,7 @@ from dms_runtime.kv_growth import KVGrowth
 from dms_runtime.attach import attach_dms
 from dms_runtime.tokenizer import build_tokenizer
 from workers.engine import BudgetError, Engine
-from workers.kv_budget import KVBudgetModel
+from workers.kv_budget import KVBudgetModel, group_tokens_per_head, threads_that_fit
 from workers.thread import SamplingParams
 
 from tests.test_dms import tiny
@@ -26,13 +26,14 @@ def tokenizer():
     return build_tokenizer()
 
 
-def random_gates(model, window: int, seed: int, per_head: bool = True):
+def random_gates(model, window: int, seed: int, per_head: bool = True, offset: float = 0.0):
+    """Gates with mixed keep/evict decisions; a positive ``offset`` makes them evict most tokens."""
     config = DMSConfig(window=window, per_head=per_head)
     gates = build_gates(model, config)
     torch.manual_seed(seed)
     for gate in gates:
-        gate.weight.data.normal_(0, 0.003)  # mixed keep/evict decisions
-        object.__setattr__(gate.config, "init_offset", 0.0)
+        gate.weight.data.normal_(0, 0.003)
+        object.__setattr__(gate.config, "init_offset", offset)
     return gates, config
 
 
@@ -230,3 +231,59 @@ def test_tables_shrink_when_rows_leave(tokenizer):
     assert engine.cache.layers[0].table.shape[2] > 0
     engine.run()
     assert [layer.table.shape[2] for layer in engine.cache.layers] == [0] * len(engine.cache.layers)
+
+
+def test_the_budget_model_counts_a_shared_prompt_once_and_each_thread_at_its_growth():
+    vanilla = KVGrowth.nominal(1)
+    assert group_tokens_per_head(100, [50, 50, 50], 0, vanilla) == 100 + 3 * 50
+    # One thread at the nominal 8x: DESIGN's w + (P + L - w) / CR, up to rounding.
+    assert abs(group_tokens_per_head(100, [900], 32, KVGrowth.nominal(8)) - (32 + (100 + 900 - 32) / 8)) <= 2
+    measured = KVGrowth(prompt=0.8, generated=0.05)  # what trained gates do: keep the prompt, drop the scratch
+    assert group_tokens_per_head(100, [900, 900], 32, measured) == 80 + 2 * (33 + 44)
+    assert threads_that_fit(4000, 100, 900, 32, measured) > 1.5 * threads_that_fit(4000, 100, 900, 32, KVGrowth.nominal(8))
+    # A thread shorter than its window still has prompt tokens inside the window: those are held whole.
+    assert group_tokens_per_head(100, [10], 32, measured) == 23 + 62 + 10
+
+
+def test_threads_report_what_their_gates_kept(tokenizer):
+    model = tiny("qwen3", seed=1)
+    engine = engine_for(model, tokenizer, {4: random_gates(model, window=3, seed=2)})
+    params = SamplingParams(temperature=1.0, max_new_tokens=40)
+    engine.submit("dms", PROMPTS[2], [0, 1], params, cr=4)
+    engine.submit("vanilla", PROMPTS[2], [0], params)
+    results = {r.problem_id: r for r in engine.run()}
+    assert results["vanilla"].prompt_kept == results["vanilla"].generated_kept == 1.0
+    dms = results["dms"]
+    assert 0 < dms.generated_kept < 1 and 0 < dms.prompt_kept < 1
+    # What is held past the window, plus the window, is what the row held: its memory compression.
+    prompt = len(tokenizer(PROMPTS[2])["input_ids"])
+    length = prompt + dms.tokens - 1  # the last sampled token is never fed back
+    past = length - 3 - 1
+    held = (length - past) + dms.prompt_kept * prompt + dms.generated_kept * (past - prompt)
+    assert abs(length / held - dms.kv_cr) < 0.05 * dms.kv_cr
+
+
+def test_a_measured_growth_admits_more_threads_and_the_pool_still_holds(tokenizer):
+    model = tiny("qwen3", seed=1)
+    adapters = {4: random_gates(model, window=3, seed=2, offset=4.0)}  # keeps far less than a quarter
+    params = SamplingParams(temperature=1.0, max_new_tokens=60, seed=3)
+    probe = engine_for(model, tokenizer, adapters)
+    probe.submit("probe", PROMPTS[2], list(range(4)), params, cr=4)
+    kept = probe.run()
+    growth = KVGrowth(max(r.prompt_kept for r in kept), max(r.generated_kept for r in kept))
+    token_bytes = probe.pool.slot_bytes * probe.slots_per_token
+    probe.close()
+    budget = 60 * token_bytes
+    nominal = engine_for(model, tokenizer, adapters, budget=budget)
+    fits_nominal = nominal.fit(PROMPTS[2], params, 4)
+    nominal.close()
+    engine = Engine(model, tokenizer, AdapterSet(model, adapters, {4: growth}), kv_budget_bytes=budget)
+    engine.stop = type(engine.stop)(eos=NO_STOP)
+    fits = engine.fit(PROMPTS[2], params, 4)
+    assert fits > fits_nominal >= 1
+    engine.submit("p", PROMPTS[2], list(range(fits)), params, cr=4)
+    engine.step()
+    assert len(engine.scheduler.running) == fits  # all admitted at once
+    results = engine.run()
+    assert sorted(r.sample_index for r in results) == list(range(fits))
+    assert engine.pool.high_water <= engine.pool.capacity and engine.pool.used == 0

@@ -104,13 +104,16 @@ def fit_adapter_thresholds(config, parser, problems: int) -> int:
     if missing:
         parser.error(f"argument --thresholds-only: no trained adapter at {', '.join(missing)}")
     print(describe(fit_thresholds(model_dir, config.output_dir, config.ratios, config.k_min, config.k_max, problems, config.threshold_seed)))
+    if config.kv_growth_problems and Path(model_dir).resolve() == Path(config.output_dir).resolve():
+        from orchestrator import kv_growth
+
+        fits = kv_growth.measure_kv_growth(model_dir, config.ratios, problems=config.kv_growth_problems)
+        kv_growth.store(model_dir, fits)
+        print(kv_growth.describe(fits))
     return 0
 
 
-
 def cmd_kv_growth(args, parser) -> int:
-    from dataclasses import asdict
-
     from orchestrator import kv_growth
     from workers.worker import available_ratios
 
@@ -125,6 +128,5 @@ def cmd_kv_growth(args, parser) -> int:
                                        args.temperature, args.max_new_tokens, args.quantile)
     if not args.dry_run:
         kv_growth.store(args.model, fits)
-    for fit in fits:
-        print(json.dumps(asdict(fit)))
+    print(kv_growth.describe(fits))
     return 0

@@ -1,0 +1,51 @@
+"""Measuring what the shipped DMS adapters keep of a thread, and reserving memory by it."""
+
+import json
+import shutil
+
+import pytest
+
+from dms_runtime.adapters import adapter_path
+from dms_runtime.kv_growth import read_kv_growth
+from dms_runtime.loading import REPO_ROOT
+from tasks.chain import generate_suite
+from tasks.prompt import format_prompt
+from tests.test_cli import thinkpool
+from workers.kv_budget import KVBudgetModel
+from workers.thread import SamplingParams
+from workers.worker import WorkerConfig, available_ratios, build_engine
+
+LONG = REPO_ROOT / "checkpoints" / "chain-qwen3-dms-8x-long"
+EQUAL_MEMORY = 13_500_000  # the equal-memory budget: about four vanilla threads of 1000 tokens
+
+
+@pytest.mark.parametrize("model", ["chain-qwen3-dms", "chain-qwen3-dms-8x-1h", "chain-qwen3-dms-8x-long"])
+def test_every_shipped_adapter_carries_its_measured_growth(model):
+    for cr in available_ratios(REPO_ROOT / "checkpoints" / model):
+        growth = read_kv_growth(adapter_path(REPO_ROOT / "checkpoints" / model, cr))
+        assert growth is not None, f"{model} {cr:g}x was never measured (thinkpool kv-growth)"
+        assert 0 < growth.generated < 1 and 0 < growth.prompt <= 1
+
+
+def test_kv_growth_measures_stores_and_lets_the_pool_hold_more_threads(tmp_path):
+    model = tmp_path / "model"
+    shutil.copytree(LONG, model)
+    done = thinkpool("kv-growth", "--model", str(model), "--problems", "2", "--threads", "2", "--k", "14-15", "--seed", "5")
+    assert done.returncode == 0, done.stderr
+    fit = json.loads(done.stdout.strip().splitlines()[-1])
+    assert fit["cr"] == 8 and fit["threads"] == 4 and fit["k"] == [14, 15]
+    # Trained gates keep most of the prompt (the values asked for later) and much less than 1/8 of the scratch.
+    assert fit["prompt"] > 1 / 8 > 1.3 * fit["generated"]
+    stored = read_kv_growth(adapter_path(model, 8))
+    assert (stored.prompt, stored.generated) == (fit["prompt"], fit["generated"])
+
+    engine = build_engine(WorkerConfig(model=str(model), kv_budget_bytes=EQUAL_MEMORY, device="cpu"))
+    try:
+        prompt = format_prompt(generate_suite(1, 18, 18, seed=3)[0]["prompt"])
+        params = SamplingParams(temperature=0.8, max_new_tokens=1000)
+        nominal = KVBudgetModel.nominal(engine.budget_model.kv_bytes_per_token, [8.0], engine.adapters.window(8))
+        prompt_tokens = len(engine.tokenizer(prompt)["input_ids"])
+        assert engine.fit(prompt, params, 8) > 1.2 * nominal.threads_that_fit(EQUAL_MEMORY, 8, prompt_tokens, 1000)
+        assert engine.fit(prompt, params, 1) == 4  # vanilla threads keep everything: the measurement changes nothing
+    finally:
+        engine.close()
