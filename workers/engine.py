@@ -19,9 +19,9 @@ from dms_runtime.gate_bank import AdapterSet
 from dms_runtime.kv_pool import KVPool
 from dms_runtime.loading import kv_geometry
 from dms_runtime.paged_cache import PagedDMSCache
+from workers.kv_budget import KVBudgetModel
 from workers.sampler import sample_rows
 from workers.scheduler import Scheduler
-from workers.kv_budget import KVBudgetModel
 from workers.thread import SamplingParams, StopRule, Thread, ThreadResult
 
 PREFILL_CHUNK = 128  # prompt tokens per prefill pass: bounds the slots a prefill holds before eviction
@@ -211,7 +211,8 @@ class Engine:
         ratios = self.cache.realized_compression()[rows].tolist()
         memory = self.cache.memory_compression()[rows].tolist()
         prompt_kept, generated_kept = (f[rows].tolist() for f in self.cache.kept_fractions(self._prompt_lengths()))
-        results = [t.result(self.tokenizer, r, m, kept) for t, r, m, kept in zip(threads, ratios, memory, zip(prompt_kept, generated_kept))]
+        kept = zip(prompt_kept, generated_kept)
+        results = [t.result(self.tokenizer, r, m, k) for t, r, m, k in zip(threads, ratios, memory, kept)]
         self.scheduler.finish(threads)
         self._drop(threads)
         return results

@@ -1,18 +1,19 @@
 """Admission control: which waiting threads may start, and which running ones give way when memory runs short.
 
-A thread is admitted only when the pool can hold what every admitted thread can grow to: its prompt
-plus its token limit, for every layer and KV head, at its ratio's KV growth (``group_tokens_per_head``:
-the window, then the fractions of prompt and generated tokens the ratio keeps; measured per adapter, else
-``1/cr``). Fresh threads of the same problem and ratio that are admitted together share one prefill of
-their prompt, and its slots (reference-counted in the pool): such a group reserves the prompt once. Admission is first come, first served; a preempted thread goes back to the front of the queue
-(and, replaying its own tokens, shares nothing when it resumes). When a step would need more slots than
-are free (threads keeping more than their ratio's growth), the most recently admitted threads are
-preempted until it fits.
+A thread is admitted only when the pool can hold what every admitted thread can grow to: its prompt plus its
+token limit, for every layer and KV head, at its ratio's KV growth (:mod:`workers.kv_budget`: the window, then
+the fractions of prompt and generated tokens the ratio keeps; measured per adapter, else ``1/cr``). Fresh
+threads of the same problem and ratio that are admitted together share one prefill of their prompt, and its
+slots (reference-counted in the pool): such a group reserves the prompt once. Admission is first come, first
+served; a preempted thread goes back to the front of the queue (and, replaying its own tokens, shares nothing
+when it resumes). When a step would need more slots than are free (threads keeping more than their ratio's
+growth), the most recently admitted threads are preempted until it fits.
 """
 
 from __future__ import annotations
 
 from collections import deque
+
 from workers.kv_budget import KVBudgetModel, group_tokens_per_head
 from workers.thread import Status, Thread
 
