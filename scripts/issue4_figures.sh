@@ -24,10 +24,16 @@ LONG=checkpoints/chain-qwen3-dms-8x-long
 .venv/bin/thinkpool generate --n 60 --k 16-20 --seed 4001 --output runs/equal_memory_k16-20_60.jsonl
 .venv/bin/thinkpool generate --n 40 --k 16-20 --seed 4002 --output runs/equal_memory_k16-20_fresh40.jsonl
 .venv/bin/thinkpool generate --n 40 --k 16-20 --seed 4003 --output runs/equal_memory_k16-20_fresh40b.jsonl
+# Reservations at each adapter's measured KV growth (stored in the shipped adapters; this re-measures them, seeded,
+# and writes the same figures back): 39 threads per problem. The 25-thread runs (equal_memory_cr8_long_$set.json)
+# were made before the adapters carried a measurement (git checkout 9f5714e reproduces them).
+for model in checkpoints/chain-qwen3-dms checkpoints/chain-qwen3-dms-8x-1h "$LONG"; do
+  .venv/bin/thinkpool kv-growth --model "$model"
+done
 for set in 60 fresh40 fresh40b; do
   .venv/bin/thinkpool eval --problems "runs/equal_memory_k16-20_$set.jsonl" --model "$LONG" --cr 8 --kv-budget "$BUDGET" \
-    --samples fit --max-new-tokens 1000 --workers 0 --json --output "runs/threads_cr8_long_$set.jsonl" \
-    > "$OUT/equal_memory_cr8_long_$set.json"
+    --samples fit --max-new-tokens 1000 --workers 0 --json --output "runs/threads_cr8_long_grown_$set.jsonl" \
+    > "$OUT/equal_memory_cr8_long_grown_$set.json"
 done
 # Vanilla on the 60 is in two files: its first 24 (equal_memory_vanilla_base.json, above) and the last 36 lines
 # (equal_memory_vanilla_base_more36.json, the same command on them).
@@ -37,3 +43,6 @@ for set in fresh40 fresh40b; do
 done
 .venv/bin/python scripts/vote_curve.py "DMS 8x long, 25 threads=runs/threads_cr8_long_fresh40b.jsonl" \
   "vanilla, 4 threads=runs/threads_vanilla_fresh40b.jsonl" --plot "$OUT/vote_curve_fresh40b.png" > "$OUT/vote_curve_fresh40b.json"
+cat runs/threads_cr8_long_grown_{60,fresh40,fresh40b}.jsonl > runs/threads_cr8_long_grown_140.jsonl
+.venv/bin/python scripts/vote_curve.py "8x-long, 39 threads (measured growth)=runs/threads_cr8_long_grown_140.jsonl" \
+  --plot "$OUT/vote_curve_grown_140.png" > "$OUT/vote_curve_grown_140.json"
