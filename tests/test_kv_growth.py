@@ -47,5 +47,8 @@ def test_kv_growth_measures_stores_and_lets_the_pool_hold_more_threads(tmp_path)
         prompt_tokens = len(engine.tokenizer(prompt)["input_ids"])
         assert engine.fit(prompt, params, 8) > 1.2 * nominal.threads_that_fit(EQUAL_MEMORY, 8, prompt_tokens, 1000)
         assert engine.fit(prompt, params, 1) == 4  # vanilla threads keep everything: the measurement changes nothing
+        # What a worker reports is what its admission counts: a planner elsewhere fits the same threads.
+        reported = KVBudgetModel.from_dict(json.loads(json.dumps(engine.budget_model.as_dict())))
+        assert reported.threads_that_fit(EQUAL_MEMORY, 8, prompt_tokens, 1000) == engine.fit(prompt, params, 8)
     finally:
         engine.close()
