@@ -46,3 +46,25 @@ done
 cat runs/threads_cr8_long_grown_{60,fresh40,fresh40b}.jsonl > runs/threads_cr8_long_grown_140.jsonl
 .venv/bin/python scripts/vote_curve.py "8x-long, 39 threads (measured growth)=runs/threads_cr8_long_grown_140.jsonl" \
   --plot "$OUT/vote_curve_grown_140.png" > "$OUT/vote_curve_grown_140.json"
+# Sampling: a dev draw of 20 (seed 4101) at three settings, then all 140 greedy and at temperature 0.5.
+.venv/bin/thinkpool generate --n 20 --k 16-20 --seed 4101 --output runs/dev_k16-20_4101.jsonl
+for setting in "T0.5 --temperature 0.5" "T0.8 --temperature 0.8" "p0.9 --top-p 0.9"; do
+  set -- $setting
+  name=$1; shift
+  .venv/bin/thinkpool eval --problems runs/dev_k16-20_4101.jsonl --kv-budget "$BUDGET" --samples fit --max-new-tokens 1000 \
+    "$@" --workers 0 --json > "$OUT/dev_4101_vanilla_$name.json"
+  .venv/bin/thinkpool eval --problems runs/dev_k16-20_4101.jsonl --model "$LONG" --cr 8 --kv-budget "$BUDGET" --samples fit \
+    --max-new-tokens 1000 "$@" --workers 0 --json > "$OUT/dev_4101_cr8_$name.json"
+done
+cat runs/equal_memory_k16-20_{60,fresh40,fresh40b}.jsonl > runs/equal_memory_k16-20_140.jsonl
+.venv/bin/thinkpool eval --problems runs/equal_memory_k16-20_140.jsonl --max-new-tokens 1000 --workers 0 --json \
+  > "$OUT/greedy_vanilla_hard140.json"
+.venv/bin/thinkpool eval --problems runs/equal_memory_k16-20_140.jsonl --model "$LONG" --cr 8 --max-new-tokens 1000 \
+  --workers 0 --json > "$OUT/greedy_cr8_long_hard140.json"
+.venv/bin/thinkpool eval --problems runs/equal_memory_k16-20_140.jsonl --kv-budget "$BUDGET" --samples fit --max-new-tokens 1000 \
+  --temperature 0.5 --workers 0 --json --output runs/threads_vanilla_T05_140.jsonl > "$OUT/equal_memory_vanilla_T05_140.json"
+.venv/bin/thinkpool eval --problems runs/equal_memory_k16-20_140.jsonl --model "$LONG" --cr 8 --kv-budget "$BUDGET" --samples fit \
+  --max-new-tokens 1000 --temperature 0.5 --workers 0 --json --output runs/threads_cr8_long_T05_140.jsonl \
+  > "$OUT/equal_memory_cr8_long_T05_140.json"
+.venv/bin/python scripts/vote_curve.py "8x-long T0.5=runs/threads_cr8_long_T05_140.jsonl" "vanilla T0.5=runs/threads_vanilla_T05_140.jsonl" \
+  --plot "$OUT/vote_curve_T05_140.png" > "$OUT/vote_curve_T05_140.json"
