@@ -9,7 +9,7 @@ BUDGET=${BUDGET:-13.5MB}
 N_HARD=${N_HARD:-24}
 mkdir -p "$OUT" runs
 .venv/bin/thinkpool bench throughput --model "$DMS" --kv-budget "$BUDGET" --max-new-tokens 1000 --json \
-  --plot "$OUT/throughput.png" > "$OUT/throughput.json"
+  --plot "$OUT/throughput_grown.png" > "$OUT/throughput_grown.json"
 .venv/bin/thinkpool bench overhead --samples 16 --max-new-tokens 600 --json > "$OUT/ray_overhead.json"
 .venv/bin/thinkpool generate --n "$N_HARD" --k 16-20 --seed 4001 --output runs/equal_memory_k16-20.jsonl
 for cr in 1 4 8; do
