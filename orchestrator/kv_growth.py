@@ -66,7 +66,7 @@ def measure_kv_growth(model_dir: str | Path, ratios: list[float] | None = None, 
                       k: tuple[int, int] | None = None, seed: int = 9101, temperature: float = 0.8,
                       max_new_tokens: int = 1536, q: float = QUANTILE, progress: bool = True) -> list[KVGrowthFit]:
     """Run ``threads`` sampled threads on each of ``problems`` fresh problems per adapter; return the growth fits."""
-    engine = build_engine(WorkerConfig(model=str(model_dir), kv_budget_bytes=MEASURE_POOL_BYTES, device="cpu"))
+    engine = build_engine(WorkerConfig(model=str(model_dir), kv_budget_bytes=MEASURE_POOL_BYTES))
     params = SamplingParams(temperature=temperature, max_new_tokens=max_new_tokens, seed=seed)
     fits = []
     try:
@@ -77,9 +77,9 @@ def measure_kv_growth(model_dir: str | Path, ratios: list[float] | None = None, 
                 engine.submit(problem["id"], format_prompt(problem["prompt"]), list(range(threads)), params, cr)
             with tqdm(total=problems * threads, desc=f"kv growth {cr:g}x", unit="thread", disable=not progress) as bar:
                 results = engine.run(on_result=lambda _: bar.update(1))
-            counted = [r for r in results if counts(r, engine.adapters.window(cr))]
+            counted = [r for r in results if long_enough(r, engine.adapters.window(cr))]
             if not counted:
-                raise ValueError(f"no thread at {cr:g}x generated {MIN_PAST_WINDOW} tokens past its window")
+                raise ValueError(f"no thread at {cr:g}x generated {MIN_PAST_WINDOW} tokens past its window on k {k_range[0]}-{k_range[1]}")
             fits.append(KVGrowthFit(cr, quantile([r.prompt_kept for r in counted], q),
                                     quantile([r.generated_kept for r in counted], q), q, len(counted), problems,
                                     k_range, seed, temperature, max_new_tokens))
@@ -88,7 +88,8 @@ def measure_kv_growth(model_dir: str | Path, ratios: list[float] | None = None, 
     return fits
 
 
-def counts(result: ThreadResult, window: int) -> bool:
+def long_enough(result: ThreadResult, window: int) -> bool:
+    """Whether enough of a thread's own tokens left its window for its kept fraction to count."""
     return result.tokens - window - 1 >= MIN_PAST_WINDOW
 
 

@@ -72,6 +72,8 @@ def test_solve_and_info():
         (("retrofit", "--thresholds-only", "--output", "{tmp}"), "argument --thresholds-only: no trained adapter at"),
         (("kv-growth", "--model", "checkpoints/chain-qwen3-dms-8x-long", "--cr", "4"), "argument --cr: no adapter for 4x"),
         (("kv-growth", "--model", "checkpoints/chain-qwen3-dms-8x-long", "--quantile", "2"), "argument --quantile"),
+        (("kv-growth", "--model", "checkpoints/chain-qwen3-dms-8x-long", "--k", "1-2", "--problems", "1", "--threads", "1"),
+         "argument --k: no thread at 8x generated 256 tokens past its window on k 1-2"),
     ],
 )
 def test_bad_input_exits_2_with_a_clear_message(args, message, easy_file, tmp_path):

@@ -124,8 +124,11 @@ def cmd_kv_growth(args, parser) -> int:
     if missing or not served:
         parser.error(f"argument --cr: no adapter for {', '.join(missing) or 'any ratio'} in {args.model} "
                      f"(it has {', '.join(f'{cr:g}x' for cr in served) or 'none'})")
-    fits = kv_growth.measure_kv_growth(args.model, args.cr, args.problems, args.threads, args.k, args.seed,
-                                       args.temperature, args.max_new_tokens, args.quantile)
+    try:
+        fits = kv_growth.measure_kv_growth(args.model, args.cr, args.problems, args.threads, args.k, args.seed,
+                                           args.temperature, args.max_new_tokens, args.quantile)
+    except ValueError as error:  # problems too short to measure: nothing is written
+        parser.error(f"argument --k: {error}; measure on longer problems")
     if not args.dry_run:
         kv_growth.store(args.model, fits)
     print(kv_growth.describe(fits))
