@@ -117,6 +117,8 @@ def build_parser() -> argparse.ArgumentParser:
                           help="threads per batch in the reference loop (--press runs)")
     evaluate.add_argument("--kv-budget", type=byte_size, default=None,
                           help="KV pool size in bytes (e.g. 12MB); problems then run one at a time, each with the whole pool")
+    evaluate.add_argument("--reserve", choices=["measured", "nominal"], default="measured",
+                          help="per-thread KV reservation: each adapter's measured growth, or 1/cr (an A/B)")
     evaluate.add_argument("--workers", type=bounded(int, 0, 64), default=1,
                           help="Ray worker actors (0: one engine in this process, no Ray)")
     evaluate.add_argument("--cr", type=bounded(float, 1, 64), nargs="+", default=None,

@@ -173,6 +173,8 @@ async def evaluate_on_pool(
             "workers": info["workers"],
             "cr": cr,
             "kv_bytes_per_token": info["geometry"]["kv_bytes_per_token"],
+            # The fractions admission reserved per thread (measured, or 1/cr with --reserve nominal; None: vanilla).
+            "kv_growth": info["budget_model"]["growth"].get(cr),
             "samples": "fit" if fit else options.samples,
             "one_problem_at_a_time": sequential,
             "decoding": "greedy" if set(counts) == {1} else "sampled+majority",

@@ -52,3 +52,8 @@ def test_kv_growth_measures_stores_and_lets_the_pool_hold_more_threads(tmp_path)
         assert reported.threads_that_fit(EQUAL_MEMORY, 8, prompt_tokens, 1000) == engine.fit(prompt, params, 8)
     finally:
         engine.close()
+    nominal_engine = build_engine(WorkerConfig(model=str(model), kv_budget_bytes=EQUAL_MEMORY, device="cpu", reserve="nominal"))
+    try:  # the A/B switch: the same adapters reserved at 1/cr
+        assert nominal_engine.fit(prompt, params, 8) == nominal.threads_that_fit(EQUAL_MEMORY, 8, prompt_tokens, 1000)
+    finally:
+        nominal_engine.close()

@@ -15,7 +15,7 @@ import threading
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import AsyncIterator
+from typing import AsyncIterator, Literal
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field
@@ -40,6 +40,9 @@ class WorkerConfig(BaseModel):
     max_running: int = Field(256, ge=1)
     device: str = "auto"
     torch_threads: int | None = Field(None, ge=1)
+    # What admission reserves per thread: each adapter's measured KV growth (``thinkpool kv-growth``), or DESIGN's
+    # nominal 1/cr for every adapter (to compare the two, or when a measurement is not trusted).
+    reserve: Literal["measured", "nominal"] = "measured"
 
 
 @dataclass(frozen=True)
@@ -88,7 +91,7 @@ def build_engine(config: WorkerConfig) -> Engine:
     model, tokenizer = load_model(config.model, device=device, dtype=dtype)
     paths = {cr: adapter_path(config.model, cr) for cr in available_ratios(config.model)}
     adapters = {cr: load_gates(model, path) for cr, path in paths.items()}
-    growth = {cr: read_kv_growth(path) for cr, path in paths.items()}
+    growth = {cr: read_kv_growth(path) for cr, path in paths.items()} if config.reserve == "measured" else {}
     budget = config.kv_budget_bytes
     if budget is None:
         budget = int(torch.cuda.mem_get_info()[0] * config.gpu_memory_fraction) if device == "cuda" else DEFAULT_KV_BUDGET

@@ -38,13 +38,13 @@ def check_adapters(ratios, model_dir, parser, option: str) -> None:
         parser.error(f"argument {option}: no DMS adapter for {missing[0]:g}x beside {model_dir}")
 
 
-def make_pool(model_dir, kv_budget: int | None, workers: int):
+def make_pool(model_dir, kv_budget: int | None, workers: int, reserve: str = "measured"):
     """The workers an eval or solve runs on: Ray actors, or (``workers == 0``) one engine in this process."""
     from workers.worker import WorkerConfig
 
     if kv_budget is None and os.environ.get("THINKPOOL_KV_BUDGET"):
         kv_budget = byte_size(os.environ["THINKPOOL_KV_BUDGET"])
-    config = WorkerConfig(model=str(model_dir), kv_budget_bytes=kv_budget)
+    config = WorkerConfig(model=str(model_dir), kv_budget_bytes=kv_budget, reserve=reserve)
     if workers == 0:
         from workers.local import LocalPool
 

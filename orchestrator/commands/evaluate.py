@@ -53,7 +53,7 @@ def cmd_eval(args, parser) -> int:
     runs, records = [], []
     engine_methods = [m for m in methods if m.kind in ("vanilla", "dms")]
     if engine_methods:
-        pool = make_pool(model_dir, args.kv_budget, args.workers)
+        pool = make_pool(model_dir, args.kv_budget, args.workers, args.reserve)
         check_budget(parser, pool, problems, options, engine_methods)
         for method in engine_methods:
             report = asyncio.run(evaluate_on_pool(problems, pool, options, method.ratio if method.kind == "dms" else 1.0,
