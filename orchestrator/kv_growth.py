@@ -11,15 +11,14 @@ over threads, so that most threads hold less than their reservation and the rest
 
 from __future__ import annotations
 
-import math
 import json
+import math
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from tqdm import tqdm
 
 from dms_runtime.adapters import adapter_path, read_adapter_metadata, update_metadata
-from dms_runtime.kv_growth import KVGrowth
 from tasks.chain import generate_suite
 from tasks.prompt import format_prompt
 from workers.thread import SamplingParams, ThreadResult
@@ -44,10 +43,6 @@ class KVGrowthFit:
     seed: int
     temperature: float
     max_new_tokens: int
-
-    @property
-    def growth(self) -> KVGrowth:
-        return KVGrowth(self.prompt, self.generated)
 
 
 def quantile(values: list[float], q: float) -> float:
