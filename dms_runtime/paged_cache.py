@@ -213,23 +213,41 @@ class PagedDMSCache(Cache):
         processed = self.layers[0].length.clamp(min=1).float() * len(self.layers) * self.layers[0].table.shape[1]
         return processed / self.held_slots().clamp(min=1).float()
 
-    def kept_fractions(self, prompt_lengths: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Per row: of the tokens past its window, the fraction still held, all layers and heads pooled: among its
-        first ``prompt_lengths`` tokens (the prompt) and among the rest (what it generated). These are what an
-        adapter's KV growth (:mod:`dms_runtime.kv_growth`) is measured from; rows with none past the window get 1."""
+    def kept_fractions(self, rows: list[int], prompt_lengths: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """For ``rows``: of the tokens past the window, the fraction still held, all layers and heads pooled: among
+        the first ``prompt_lengths`` tokens (the prompt) and among the rest (what the row generated). These are what
+        an adapter's KV growth (:mod:`dms_runtime.kv_growth`) is measured from; rows with none past the window get 1."""
         prompt = prompt_lengths.to(self.layers[0].length.device)
         held = {"prompt": 0, "generated": 0}
         seen = {"prompt": 0, "generated": 0}
         for layer in self.layers:
-            past = layer.length - layer.window - 1  # positions before this are past the window
-            heads = layer.table.shape[1]
-            in_prompt = layer.pos < prompt[:, None, None]
-            old = (layer.table >= 0) & (layer.pos < past[:, None, None])
+            table, pos = layer.table[rows], layer.pos[rows]
+            past = layer.length[rows] - layer.window[rows] - 1  # positions before this are past the window
+            in_prompt = pos < prompt[:, None, None]
+            old = (table >= 0) & (pos < past[:, None, None])
             held["prompt"] = held["prompt"] + (old & in_prompt).sum(dim=(1, 2))
             held["generated"] = held["generated"] + (old & ~in_prompt).sum(dim=(1, 2))
-            seen["prompt"] = seen["prompt"] + heads * torch.minimum(prompt, past).clamp(min=0)
-            seen["generated"] = seen["generated"] + heads * (past - prompt).clamp(min=0)
+            seen["prompt"] = seen["prompt"] + table.shape[1] * torch.minimum(prompt, past).clamp(min=0)
+            seen["generated"] = seen["generated"] + table.shape[1] * (past - prompt).clamp(min=0)
         return tuple(torch.where(seen[part] > 0, held[part] / seen[part].clamp(min=1), 1.0) for part in ("prompt", "generated"))
+
+    def generated_kept_curve(self, rows: list[int], prompt_lengths: torch.Tensor, points: tuple[int, ...]) -> torch.Tensor:
+        """For ``rows`` and each point ``p``: of the row's first ``p`` generated tokens, the fraction still held
+        (layers and heads pooled); NaN where fewer than ``p`` of them have left the window.
+
+        A token's fate is final once it leaves the window (marked tokens are gone, the others stay), so this is
+        also what the row held of its own tokens back when it was ``p`` tokens past its window: the growth curve
+        that a reservation at a short token limit reads (:mod:`dms_runtime.kv_growth`)."""
+        prompt = prompt_lengths.to(self.layers[0].length.device)
+        limits = torch.tensor(points, device=prompt.device)
+        held = torch.zeros((len(rows), len(points)), device=prompt.device)
+        for layer in self.layers:
+            own = torch.where(layer.table[rows] >= 0, layer.pos[rows] - prompt[:, None, None], -1)[..., None]
+            held = held + ((own >= 0) & (own < limits)).sum(dim=(1, 2)).float()
+        first = self.layers[0]
+        past = (first.length[rows] - first.window[rows] - 1 - prompt).clamp(min=0)
+        seen = limits.float() * len(self.layers) * first.table.shape[1]
+        return torch.where(past[:, None] >= limits, held / seen, torch.nan)
 
     def realized_compression(self) -> torch.Tensor:
         """Per row: tokens processed / tokens held, averaged over every layer's KV heads."""

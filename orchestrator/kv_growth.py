@@ -7,6 +7,9 @@ thirteenth of the scratch work a thread generates, so reserving ``1/cr`` of the 
 pool unused. Here each adapter runs sampled threads through the engine on fresh problems; the fractions kept
 of prompt and of generated tokens (past the window, layers and heads pooled) are taken at a high quantile
 over threads, so that most threads hold less than their reservation and the rest are what preemption is for.
+The generated fraction is also taken at every point of a curve (the first 32, 64, ... tokens past the window),
+since a chain's first tokens are kept more than its later scratch: a thread with a short token limit is
+reserved what threads of that length kept, not the long-run fraction.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ QUANTILE = 0.95
 # limit, and the fraction a short thread keeps of its few tokens is noisy (4 of 21 is 0.19).
 MIN_PAST_WINDOW = 256
 MEASURE_POOL_BYTES = 256 * 2**20  # room for every measured thread at once: nothing waits, nothing is preempted
+MIN_THREADS_AT_POINT = 8  # a curve point stands on at least this many threads that reached it
 
 
 @dataclass(frozen=True)
@@ -36,6 +40,7 @@ class KVGrowthFit:
     cr: float
     prompt: float  # fraction of prompt tokens kept, at ``quantile`` over threads
     generated: float  # fraction of generated tokens kept past the window, at ``quantile``
+    generated_curve: tuple[tuple[int, float], ...]  # (p, fraction kept of the first p past the window), at ``quantile``
     quantile: float
     threads: int  # threads measured (those with enough tokens past the window)
     problems: int
@@ -76,8 +81,8 @@ def measure_kv_growth(model_dir: str | Path, ratios: list[float] | None = None, 
             if not counted:
                 raise ValueError(f"no thread at {cr:g}x generated {MIN_PAST_WINDOW} tokens past its window on k {k_range[0]}-{k_range[1]}")
             fits.append(KVGrowthFit(cr, quantile([r.prompt_kept for r in counted], q),
-                                    quantile([r.generated_kept for r in counted], q), q, len(counted), problems,
-                                    k_range, seed, temperature, max_new_tokens))
+                                    quantile([r.generated_kept for r in counted], q), curve_quantiles(results, q), q,
+                                    len(counted), problems, k_range, seed, temperature, max_new_tokens))
     finally:
         engine.close()
     return fits
@@ -86,6 +91,15 @@ def measure_kv_growth(model_dir: str | Path, ratios: list[float] | None = None, 
 def long_enough(result: ThreadResult, window: int) -> bool:
     """Whether enough of a thread's own tokens left its window for its kept fraction to count."""
     return result.tokens - window - 1 >= MIN_PAST_WINDOW
+
+
+def curve_quantiles(results: list[ThreadResult], q: float) -> tuple[tuple[int, float], ...]:
+    """At each curve point reached by enough threads, the ``q`` quantile of what they kept of their tokens so far."""
+    at_point: dict[int, list[float]] = {}
+    for result in results:
+        for p, fraction in result.generated_kept_curve:
+            at_point.setdefault(p, []).append(fraction)
+    return tuple((p, quantile(kept, q)) for p, kept in sorted(at_point.items()) if len(kept) >= MIN_THREADS_AT_POINT)
 
 
 def store(model_dir: str | Path, fits: list[KVGrowthFit]) -> None:

@@ -68,3 +68,15 @@ cat runs/equal_memory_k16-20_{60,fresh40,fresh40b}.jsonl > runs/equal_memory_k16
   > "$OUT/equal_memory_cr8_long_T05_140.json"
 .venv/bin/python scripts/vote_curve.py "8x-long T0.5=runs/threads_cr8_long_T05_140.jsonl" "vanilla T0.5=runs/threads_vanilla_T05_140.jsonl" \
   --plot "$OUT/vote_curve_T05_140.png" > "$OUT/vote_curve_T05_140.json"
+# Short token limits (session 17): reservations read each adapter's growth curve. Two hard problems at 150 tokens,
+# the curve against the nominal 1/8 (the single long-run fraction is this command at commit e3297c7:
+# short150_flat_e3297c7.json); then the first 8 of the 60 at 1000 tokens (41 threads).
+head -2 runs/equal_memory_k16-20_60.jsonl > runs/short2.jsonl
+for reserve in measured nominal; do
+  name=$([ "$reserve" = measured ] && echo curve || echo nominal)
+  .venv/bin/thinkpool eval --problems runs/short2.jsonl --model "$LONG" --cr 8 --kv-budget "$BUDGET" --samples fit \
+    --max-new-tokens 150 --reserve "$reserve" --workers 0 --json > "$OUT/short150_$name.json"
+done
+head -8 runs/equal_memory_k16-20_60.jsonl > runs/long8.jsonl
+.venv/bin/thinkpool eval --problems runs/long8.jsonl --model "$LONG" --cr 8 --kv-budget "$BUDGET" --samples fit \
+  --max-new-tokens 1000 --workers 0 --json > "$OUT/long8_curve_1000.json"

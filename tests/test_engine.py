@@ -263,6 +263,41 @@ def test_threads_report_what_their_gates_kept(tokenizer):
     assert abs(length / held - dms.kv_cr) < 0.05 * dms.kv_cr
 
 
+def test_a_threads_kept_curve_is_what_it_held_when_it_was_that_long(tokenizer):
+    """A token's fate is final once it leaves the window, so the long thread's curve at p must equal what the
+    same thread (same seed, alone) held when stopped p tokens past its window."""
+    model = tiny("qwen3", seed=1)
+    adapters = {4: random_gates(model, window=3, seed=2)}
+    long_run = engine_for(model, tokenizer, adapters)
+    long_run.submit("p", PROMPTS[2], [0], SamplingParams(temperature=1.0, max_new_tokens=140, seed=5), cr=4)
+    [long] = long_run.run()
+    long_run.close()
+    curve = dict(long.generated_kept_curve)
+    assert sorted(curve) == [32, 64, 128]  # 140 tokens: 135 past the window of 3 (the last one is never fed back)
+    for p in (32, 64):
+        short_run = engine_for(model, tokenizer, adapters)
+        short_run.submit("p", PROMPTS[2], [0], SamplingParams(temperature=1.0, max_new_tokens=p + 3 + 2, seed=5), cr=4)
+        [short] = short_run.run()
+        short_run.close()
+        assert long.text.startswith(short.text)
+        assert short.generated_kept == pytest.approx(curve[p], abs=1e-6)
+    assert curve[128] == pytest.approx(long.generated_kept, abs=0.05)  # 128 of its 135
+
+
+def test_a_growth_curve_reserves_what_threads_of_that_length_kept():
+    curve = KVGrowth(prompt=0.8, generated=0.1, generated_curve=((32, 0.5), (64, 0.3), (128, 0.2)))
+    assert [curve.kept_generated(p) for p in (0, 16, 32, 48, 64, 128)] == pytest.approx([0, 8, 16, 17.6, 19.2, 25.6])
+    assert curve.kept_generated(256) == pytest.approx(0.2 * 256)  # beyond the last point: its fraction
+    # Kept counts never fall between points, whatever quantiles the points were taken at.
+    assert KVGrowth(0.8, 0.1, ((32, 0.5), (64, 0.2))).kept_generated(64) == pytest.approx(16)
+    assert KVGrowth(0.8, 0.1).kept_generated(100) == pytest.approx(10)  # no curve: the long-run fraction
+    # A short thread is reserved at its length's fraction, a long one near the long-run fraction.
+    flat = KVGrowth(0.8, 0.2)
+    assert group_tokens_per_head(100, [60], 32, curve) == 80 + 33 + 14  # 27 past the window at 0.5
+    assert group_tokens_per_head(100, [161], 32, curve) == group_tokens_per_head(100, [161], 32, flat)
+    assert KVBudgetModel.from_dict(KVBudgetModel(3072, {4.0: 32}, {4.0: curve}).as_dict()).growth(4.0) == curve
+
+
 def test_a_measured_growth_admits_more_threads_and_the_pool_still_holds(tokenizer):
     model = tiny("qwen3", seed=1)
     adapters = {4: random_gates(model, window=3, seed=2, offset=4.0)}  # keeps far less than a quarter

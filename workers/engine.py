@@ -9,6 +9,7 @@ and free their slots at once; so do cancelled ones. The pool's high-water mark i
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass
 
@@ -16,6 +17,7 @@ import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from dms_runtime.gate_bank import AdapterSet
+from dms_runtime.kv_growth import CURVE_POINTS
 from dms_runtime.kv_pool import KVPool
 from dms_runtime.loading import kv_geometry
 from dms_runtime.paged_cache import PagedDMSCache
@@ -33,6 +35,11 @@ class _PoolShort(Exception):
 
 class BudgetError(ValueError):
     """A request that cannot run within the worker's KV pool, whatever else is running."""
+
+
+def _defined(points: tuple[int, ...], fractions: list[float]) -> tuple[tuple[int, float], ...]:
+    """The curve's points a thread reached (NaN marks those it did not)."""
+    return tuple((p, f) for p, f in zip(points, fractions) if not math.isnan(f))
 
 
 def thread_seed(seed: int, sample_index: int) -> int:
@@ -210,15 +217,13 @@ class Engine:
         rows = self._row_indices(threads)
         ratios = self.cache.realized_compression()[rows].tolist()
         memory = self.cache.memory_compression()[rows].tolist()
-        prompt_kept, generated_kept = (f[rows].tolist() for f in self.cache.kept_fractions(self._prompt_lengths()))
-        kept = zip(prompt_kept, generated_kept)
-        results = [t.result(self.tokenizer, r, m, k) for t, r, m, k in zip(threads, ratios, memory, kept)]
+        prompts = torch.tensor([len(t.prompt_ids) for t in threads], dtype=torch.long)
+        kept = zip(*(f.tolist() for f in self.cache.kept_fractions(rows, prompts)))
+        curves = [_defined(CURVE_POINTS, row) for row in self.cache.generated_kept_curve(rows, prompts, CURVE_POINTS).tolist()]
+        results = [t.result(self.tokenizer, r, m, k, c) for t, r, m, k, c in zip(threads, ratios, memory, kept, curves)]
         self.scheduler.finish(threads)
         self._drop(threads)
         return results
-
-    def _prompt_lengths(self) -> torch.Tensor:
-        return torch.tensor([len(t.prompt_ids) for t in self.rows], dtype=torch.long)
 
     def _row_indices(self, threads: list[Thread]) -> list[int]:
         row = {id(t): i for i, t in enumerate(self.rows)}

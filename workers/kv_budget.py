@@ -26,9 +26,10 @@ def shared_tokens_per_head(prompt: int, limit: int, window: int, growth: KVGrowt
 
 
 def own_tokens_per_head(limit: int, window: int, growth: KVGrowth) -> int:
-    """Tokens per head one thread's own ``limit`` generated tokens may hold: the window, then the kept fraction."""
+    """Tokens per head one thread's own ``limit`` generated tokens may hold: the window, then what its ratio keeps
+    of the rest (at that length: the first tokens are kept more)."""
     inside = min(limit, window + 1)
-    return inside + math.ceil(growth.generated * (limit - inside))
+    return inside + math.ceil(growth.kept_generated(limit - inside))
 
 
 def group_tokens_per_head(prompt: int, limits: list[int], window: int, growth: KVGrowth) -> int:
@@ -75,9 +76,9 @@ class KVBudgetModel:
 
     def as_dict(self) -> dict:
         return {"kv_bytes_per_token": self.kv_bytes_per_token, "windows": dict(self.windows),
-                "growth": {cr: {"prompt": g.prompt, "generated": g.generated} for cr, g in self.growths.items()}}
+                "growth": {cr: g.as_dict() for cr, g in self.growths.items()}}
 
     @classmethod
     def from_dict(cls, data: dict) -> "KVBudgetModel":
         return cls(int(data["kv_bytes_per_token"]), {float(cr): int(w) for cr, w in data["windows"].items()},
-                   {float(cr): KVGrowth(float(g["prompt"]), float(g["generated"])) for cr, g in data["growth"].items()})
+                   {float(cr): KVGrowth.from_dict(g) for cr, g in data["growth"].items()})

@@ -73,6 +73,10 @@ class ThreadResult:
     # and of the thread's own tokens. What ``thinkpool kv-growth`` measures an adapter's reservation from.
     prompt_kept: float = 1.0
     generated_kept: float = 1.0
+    # (p, f): of its first p own tokens past the window the thread still holds f, at each of
+    # ``dms_runtime.kv_growth.CURVE_POINTS`` it reached; a token's fate is final once it leaves the window, so
+    # this is what it held of its own tokens when it was that long: the growth curve reservations read.
+    generated_kept_curve: tuple[tuple[int, float], ...] = ()
 
 
 @dataclass(eq=False)
@@ -121,11 +125,12 @@ class Thread:
             return True
         return False
 
-    def result(self, tokenizer, realized_cr: float, kv_cr: float = 1.0, kept: tuple[float, float] = (1.0, 1.0)) -> ThreadResult:
+    def result(self, tokenizer, realized_cr: float, kv_cr: float = 1.0, kept: tuple[float, float] = (1.0, 1.0),
+               kept_curve: tuple[tuple[int, float], ...] = ()) -> ThreadResult:
         text = tokenizer.decode(self.tokens, skip_special_tokens=True)
         count = len(self.tokens) + (self.finish_reason == "eos")
         mean = self.logprob_sum / count if count else -math.inf
         return ThreadResult(
             self.problem_id, self.sample_index, text, count, extract_chain_answer(text), mean, realized_cr,
-            self.cr, self.finish_reason or "cancelled", self.preemptions, kv_cr, self.logprob_min, *kept,
+            self.cr, self.finish_reason or "cancelled", self.preemptions, kv_cr, self.logprob_min, *kept, kept_curve,
         )
