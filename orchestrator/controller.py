@@ -209,7 +209,7 @@ class Controller:
         if self.weighting == "confidence":
             vote = confidence_vote(answers, [t["mean_logprob"] for t in threads])
         else:
-            vote = majority_vote(answers)
+            vote = majority_vote(answers, [t["mean_logprob"] for t in threads])
         return {"answer": vote.answer, "votes": vote.counts}
 
     def decide(self, state: SolveState) -> dict:

@@ -78,7 +78,7 @@ def problem_record(problem: dict, threads: list) -> dict:
     """One problem's outcome from its threads (anything with ``answer``, ``tokens``, ``mean_logprob``,
     ``min_logprob`` and ``realized_cr``); each thread's answer and confidence are kept, so that other
     aggregations can be scored on the same threads later."""
-    vote = majority_vote([t.answer for t in threads])
+    vote = majority_vote([t.answer for t in threads], [t.mean_logprob for t in threads])
     return {
         "id": problem["id"],
         "k": problem.get("k"),

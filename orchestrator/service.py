@@ -102,7 +102,7 @@ class SolveService:
             threads = [ThreadSummary(sample=r.sample_index, answer=r.answer, tokens=r.tokens, mean_logprob=r.mean_logprob,
                                      realized_cr=r.realized_cr, kv_cr=r.kv_cr, cr=r.cr, finish_reason=r.finish_reason)
                        for r in results]
-            vote = majority_vote([t.answer for t in threads])
+            vote = majority_vote([t.answer for t in threads], [t.mean_logprob for t in threads])
             answer, votes, reason = vote.answer, vote.counts, None
         stats = [s for s in await self.pool.stats() if s is not None]
         return SolveResult(

@@ -15,14 +15,23 @@ class Vote:
     counts: dict[str, int]
 
 
-def majority_vote(answers: list[str | None]) -> Vote:
-    """Most frequent answer; a tie goes to the answer that reached the count first (deterministic)."""
+def majority_vote(answers: list[str | None], confidences: list[float] | None = None) -> Vote:
+    """Most frequent answer. A tie goes to the tied answer whose threads are more confident in sum (``confidences``:
+    each thread's mean log-probability), and without confidences to the one that appeared first.
+
+    Why not arrival order: threads arrive as they finish, the shortest first, and a chain of thought that is
+    short for its problem has often skipped a step. Ties broken by arrival went to the wrong answer: vanilla's
+    4-thread votes on 140 hard problems tied 13 times and won none, where chance wins 4. With confidences the
+    vote depends on the threads alone, not on the order a scheduler returned them in."""
     counts = Counter(a for a in answers if a is not None)
     if not counts:
         return Vote(answer=None, counts={})
     best = max(counts.values())
-    winner = next(a for a in answers if a is not None and counts[a] == best)
-    return Vote(answer=winner, counts=dict(counts.most_common()))
+    tied = [a for a in dict.fromkeys(answers) if a is not None and counts[a] == best]  # in order of appearance
+    if confidences is not None and len(tied) > 1:
+        total = {a: sum(c for x, c in zip(answers, confidences) if x == a) for a in tied}
+        tied.sort(key=lambda a: -total[a])  # stable: the first to appear among exact ties
+    return Vote(answer=tied[0], counts=dict(counts.most_common()))
 
 
 def weighted_vote(answers: list[str | None], weights: list[float]) -> Vote:

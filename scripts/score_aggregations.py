@@ -19,7 +19,8 @@ from policies.voting import confidence_vote, majority_vote, weighted_vote
 from tasks.jsonl import read_jsonl
 
 RULES = {
-    "majority": lambda t: majority_vote([x["answer"] for x in t]),
+    "majority": lambda t: majority_vote([x["answer"] for x in t], [x["mean_logprob"] for x in t]),
+    "majority, ties by first arrival": lambda t: majority_vote([x["answer"] for x in t]),
     "weighted by exp(mean logprob)": lambda t: weighted_vote([x["answer"] for x in t],
                                                              [math.exp(x["mean_logprob"]) for x in t]),
     "confidence (DeepConf, best half)": lambda t: confidence_vote([x["answer"] for x in t], [x["mean_logprob"] for x in t]),

@@ -19,11 +19,17 @@ def test_answers_compare_as_numbers():
     assert not answers_match(None, "0") and not answers_match("70", "7")
 
 
-def test_majority_vote_counts_and_breaks_ties_by_first_arrival():
+def test_majority_vote_counts_and_breaks_ties_by_confidence_not_arrival():
     vote = majority_vote(["3", None, "5", "5", "3", "9"])
-    assert vote.answer == "3" and vote.counts == {"3": 2, "5": 2, "9": 1}
+    assert vote.answer == "3" and vote.counts == {"3": 2, "5": 2, "9": 1}  # no confidences: the first to appear
     assert majority_vote(["5", "3", "3"]).answer == "3"
     assert majority_vote([None, None]).answer is None
+    # With confidences a tie goes to the more confident answer, whatever order the threads arrived in.
+    answers, confidences = ["3", None, "5", "5", "3", "9"], [-0.4, -0.1, -0.1, -0.2, -0.3, -0.01]
+    assert majority_vote(answers, confidences).answer == "5"
+    order = [5, 3, 0, 2, 4, 1]
+    assert majority_vote([answers[i] for i in order], [confidences[i] for i in order]).answer == "5"
+    assert majority_vote(["3", "5", "5"], [-0.1, -0.9, -0.9]).answer == "5"  # a count is never outvoted by confidence
 
 
 def test_vote_curve_script_draws_subsets_of_the_kept_threads(tmp_path):
