@@ -13,7 +13,7 @@ mkdir -p "$OUT" runs
 .venv/bin/thinkpool eval --problems runs/easy60_998.jsonl --workers 0 --json > "$OUT/greedy_easy60_998.json"
 .venv/bin/thinkpool eval --problems runs/hard100_1005.jsonl --workers 0 --json > "$OUT/greedy_hard100_1005.json"
 .venv/bin/thinkpool eval --problems runs/hard100_1005.jsonl --samples 16 --temperature 0.8 --batch-size 160 --workers 0 \
-  --json > "$OUT/vote16_hard100_1005.json"
+  --json --output runs/threads_vote16_hard100_1005.jsonl > "$OUT/vote16_hard100_1005.json"
 if [ "$N_FRESH" -gt 0 ]; then
   .venv/bin/thinkpool generate --n "$N_FRESH" --k 1-20 --seed 1001 --output runs/fresh_k1-20.jsonl
   .venv/bin/thinkpool eval --problems runs/fresh_k1-20.jsonl --workers 0 --json --plot "$OUT/greedy_by_k.png" \

@@ -80,3 +80,24 @@ done
 head -8 runs/equal_memory_k16-20_60.jsonl > runs/long8.jsonl
 .venv/bin/thinkpool eval --problems runs/long8.jsonl --model "$LONG" --cr 8 --kv-budget "$BUDGET" --samples fit \
   --max-new-tokens 1000 --workers 0 --json > "$OUT/long8_curve_1000.json"
+# Ties and temperature (session 17). The vote breaks ties by confidence now (policies/voting.py); the runs above that
+# kept their threads are re-scored with `scripts/score_aggregations.py FILE` ("majority"). Vanilla at 0.8 and 1.0 and
+# the 8x-long model at 1.0 on the 140, then the check on 100 fresh problems (seed 4004) at each one's temperature.
+for t in 0.8 1.0; do
+  .venv/bin/thinkpool eval --problems runs/equal_memory_k16-20_140.jsonl --kv-budget "$BUDGET" --samples fit --max-new-tokens 1000 \
+    --temperature "$t" --workers 0 --json --output "runs/threads_vanilla_T${t}_140.jsonl" > "$OUT/equal_memory_vanilla_T${t}_140.json"
+done
+.venv/bin/thinkpool eval --problems runs/equal_memory_k16-20_140.jsonl --model "$LONG" --cr 8 --kv-budget "$BUDGET" --samples fit \
+  --max-new-tokens 1000 --temperature 1.0 --workers 0 --json --output runs/threads_cr8_long_T1.0_140.jsonl \
+  > "$OUT/equal_memory_cr8_long_T1.0_140.json"
+.venv/bin/python scripts/vote_curve.py "8x-long T1.0, 41 threads=runs/threads_cr8_long_T1.0_140.jsonl" \
+  "8x-long T0.8, 39 threads=runs/threads_cr8_long_grown_140.jsonl" "vanilla T0.8, 4 threads=runs/threads_vanilla_T0.8_140.jsonl" \
+  "vanilla T0.5, 4 threads=runs/threads_vanilla_T05_140.jsonl" --plot "$OUT/vote_curve_T10_140.png" > "$OUT/vote_curve_T10_140.json"
+.venv/bin/thinkpool generate --n 100 --k 16-20 --seed 4004 --output runs/equal_memory_k16-20_fresh100.jsonl
+for t in 0.8 0.5; do
+  .venv/bin/thinkpool eval --problems runs/equal_memory_k16-20_fresh100.jsonl --kv-budget "$BUDGET" --samples fit --max-new-tokens 1000 \
+    --temperature "$t" --workers 0 --json --output "runs/threads_vanilla_T${t}_fresh100.jsonl" > "$OUT/equal_memory_vanilla_T${t}_fresh100.json"
+done
+.venv/bin/thinkpool eval --problems runs/equal_memory_k16-20_fresh100.jsonl --model "$LONG" --cr 8 --kv-budget "$BUDGET" --samples fit \
+  --max-new-tokens 1000 --temperature 1.0 --workers 0 --json --output runs/threads_cr8_long_T1.0_fresh100.jsonl \
+  > "$OUT/equal_memory_cr8_long_T1.0_fresh100.json"
