@@ -196,7 +196,8 @@ def build_parser() -> argparse.ArgumentParser:
     calibrate.add_argument("--problems", type=bounded(int, 1, 1000), default=8, help="fresh problems per bin")
     calibrate.add_argument("--threads", type=bounded(int, 1, max_samples), default=16, help="sampled threads per problem")
     calibrate.add_argument("--max-new-tokens", type=bounded(int, 16, 8192), default=settings.sampling.max_new_tokens)
-    calibrate.add_argument("--temperature", type=bounded(float, 0.01, 5.0), default=settings.sampling.temperature)
+    calibrate.add_argument("--temperature", type=bounded(float, 0.01, 5.0), nargs="+", default=[settings.sampling.temperature],
+                           help="sampled threads' temperatures (the controller plans among them; the first is the default)")
     calibrate.add_argument("--top-p", type=bounded(float, 0.01, 1.0), default=settings.sampling.top_p)
     calibrate.add_argument("--seed", type=int, default=777)
     calibrate.add_argument("--workers", type=bounded(int, 0, 64), default=1)

@@ -1,11 +1,12 @@
-"""The controller: a LangGraph ``StateGraph`` that chooses, per task, the compression ratio and thread count.
+"""The controller: a LangGraph ``StateGraph`` that chooses, per task, the compression ratio, thread count and temperature.
 
     assess -> plan -> dispatch -> run_chunk (one per 4 threads, in parallel) -> aggregate -> decide
                           ^                                                                 |
                           +---------------------- escalate (more threads, a higher ratio) --+--> END
 
 * ``assess`` estimates the difficulty (the chain task's k; unknown tasks are treated as the hardest bin);
-* ``plan`` asks the planner for (ratio, threads, token limit) within the task's KV budget;
+* ``plan`` asks the planner for (ratio, threads, temperature, token limit) within the task's KV budget; the
+  temperature holds for all the task's sampled threads (the profile measures votes at one temperature);
 * ``dispatch`` opens a round: the first is one greedy thread (``greedy_first``: the model's single most
   likely answer, usually more accurate than any one sampled thread), the next ``first_round`` sampled
   threads; later rounds double;
@@ -73,6 +74,7 @@ class SolveState(TypedDict, total=False):
     cr: float
     target_threads: int
     max_new_tokens: int
+    temperature: float  # of the task's sampled threads
     round_size: int
     next_sample: int
     round_samples: list[int]
@@ -108,9 +110,9 @@ class Controller:
         # The workers' model (their info's ``budget_model``) counts memory as their admission does; without it,
         # DESIGN's 1/cr at the profile's window.
         self.budget_model = budget_model or KVBudgetModel.nominal(kv_bytes_per_token, self.ratios, profile.window)
-        # Sampled threads run at the profile's nucleus and (unless told otherwise) its temperature: its accuracies
-        # hold only there.
-        self.temperature = profile.temperature if temperature is None else temperature
+        # Sampled threads run at the profile's nucleus and (unless told otherwise) the temperature the plan picks
+        # among those the profile measured: its accuracies hold only there.
+        self.temperature = temperature
         self.top_p = profile.top_p
         self.first_round, self.threshold, self.weighting = first_round, threshold, weighting
         # -0.5: on 60 fresh k=1..20 problems (seed 7001, the shipped DMS model at CR 1), the greedy threads whose
@@ -142,29 +144,30 @@ class Controller:
     def plan(self, state: SolveState) -> dict:
         chosen = plan(self.profile, state["k"], state["kv_budget_bytes"],
                       lambda cr, n: self.kv_bytes(state, cr, n, self.profile.max_new_tokens), self.ratios,
-                      max_threads=state["max_threads"])
+                      max_threads=state["max_threads"], temperature=self.temperature)
         # With a greedy first thread, a plan of n sampled threads runs n + 1 threads in all.
         extra = int(self.greedy_first and not chosen.greedy)
         return {"cr": chosen.cr, "target_threads": chosen.threads + extra, "max_new_tokens": chosen.max_new_tokens,
+                "temperature": chosen.temperature,
                 "round_size": 1 if self.greedy_first else min(self.first_round, chosen.threads), "next_sample": 0,
                 "plan_greedy": chosen.greedy,
                 "rounds": [{"event": "plan", "cr": chosen.cr, "threads": chosen.threads, "greedy": chosen.greedy,
-                            "expected_accuracy": round(chosen.expected_accuracy, 3)}]}
+                            "temperature": chosen.temperature, "expected_accuracy": round(chosen.expected_accuracy, 3)}]}
 
-    def expected_accuracy(self, k: int | None, cr: float, threads: int) -> float:
-        """What ``threads`` threads of this controller are expected to score (the first greedy, if so run)."""
+    def expected_accuracy(self, state: SolveState, cr: float, threads: int) -> float:
+        """What ``threads`` threads of this task are expected to score (the first greedy, if so run)."""
         if threads <= 0:
             return 0.0
         if self.greedy_first:
-            return self.profile.accuracy_with_greedy(k, cr, threads)
-        return self.profile.accuracy(k, cr, threads)
+            return self.profile.accuracy_with_greedy(state["k"], cr, threads, state["temperature"])
+        return self.profile.accuracy(state["k"], cr, threads, state["temperature"])
 
     def dispatch(self, state: SolveState) -> dict:
         size = min(state["round_size"], self.fits(state, state["cr"]), state["max_threads"] - len(state.get("threads", [])))
         samples = list(range(state["next_sample"], state["next_sample"] + max(1, size)))
         used = len(state.get("threads", []))
-        gain = (self.expected_accuracy(state["k"], state["cr"], used + len(samples))
-                - self.expected_accuracy(state["k"], state["cr"], used))
+        gain = (self.expected_accuracy(state, state["cr"], used + len(samples))
+                - self.expected_accuracy(state, state["cr"], used))
         cost = self.kv_bytes(state, state["cr"], len(samples))
         greedy = self.greedy_round(samples)
         return {"round_samples": samples, "next_sample": samples[-1] + 1, "round_priority": gain / cost,
@@ -179,7 +182,7 @@ class Controller:
         return [
             Send("run_chunk", ChunkState(task_id=state["task_id"], prompt=state["prompt"], seed=state["seed"], cr=state["cr"],
                                          max_new_tokens=state["max_new_tokens"], samples=samples[i : i + CHUNK],
-                                         temperature=0.0 if self.greedy_round(samples) else self.temperature,
+                                         temperature=0.0 if self.greedy_round(samples) else state["temperature"],
                                          kv_bytes=self.kv_bytes(state, state["cr"], len(samples[i : i + CHUNK])),
                                          priority=state.get("round_priority", 0.0)))
             for i in range(0, len(samples), CHUNK)
@@ -235,13 +238,13 @@ class Controller:
         # and neither is worth it unless the profile expects it to add at least ``min_gain`` accuracy.
         remaining = state["max_threads"] - used
         size = min(state["round_size"] * 2, remaining)
-        now = self.expected_accuracy(state["k"], state["cr"], used)
-        staying = self.expected_accuracy(state["k"], state["cr"], used + size)
+        now = self.expected_accuracy(state, state["cr"], used)
+        staying = self.expected_accuracy(state, state["cr"], used + size)
         for cr in self.ratios:
             if cr <= state["cr"] or self.fits(state, cr) <= self.fits(state, state["cr"]):
                 continue
             switch = min(self.fits(state, cr), remaining)
-            switched = self.profile.accuracy(state["k"], cr, switch)
+            switched = self.profile.accuracy(state["k"], cr, switch, state["temperature"])
             if switched > staying and switched >= now + self.min_gain:
                 return {"cr": cr, "round_size": switch, "target_threads": state["next_sample"] + switch,
                         "rounds": [{"event": "escalate", "cr": cr, "more_threads": switch}]}

@@ -200,7 +200,8 @@ async def evaluate_with_controller(problems: list[dict], controller, budget, see
         records.append({"id": problem["id"], "k": problem.get("k"), "expected": problem["answer"], "answer": state["answer"],
                         "correct": answers_match(state["answer"], problem["answer"]), "votes": state["votes"],
                         "thread_accuracy": sum(answers_match(t["answer"], problem["answer"]) for t in threads) / len(threads),
-                        "threads": len(threads), "cr": state["cr"], "stop_reason": state["stop_reason"],
+                        "threads": len(threads), "cr": state["cr"], "temperature": state["temperature"],
+                        "stop_reason": state["stop_reason"],
                         "tokens": sum(t["tokens"] for t in threads), "rounds": state["rounds"]})
         if progress is not None:
             progress(f"{problem['id']}: k={problem.get('k')} {state['cr']:g}x x{len(threads)} -> {state['answer']} "
@@ -211,5 +212,6 @@ async def evaluate_with_controller(problems: list[dict], controller, budget, see
         "samples_per_problem": sum(r["threads"] for r in records) / len(records),
         "ratios_chosen": {f"{cr:g}": sum(r["cr"] == cr for r in records) for cr in sorted({r["cr"] for r in records})},
         "threads_chosen": {str(n): sum(r["threads"] == n for r in records) for n in sorted({r["threads"] for r in records})},
+        "temperatures_chosen": {f"{t:g}": sum(r["temperature"] == t for r in records) for t in sorted({r["temperature"] for r in records})},
         "problems": records,
     }

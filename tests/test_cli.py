@@ -133,16 +133,19 @@ def test_compare_to_fixed_picks_the_most_accurate_then_the_cheapest():
     assert result["best_fixed"] == "8x16" and result["accuracy_gain"] == 0.05 and result["token_fraction"] == 0.5
 
 
-def test_calibrate_writes_a_profile_with_votes_and_a_greedy_entry_per_bin(tmp_path):
+def test_calibrate_writes_a_profile_with_votes_per_temperature_and_a_greedy_entry_per_bin(tmp_path):
     from policies.planner import CalibrationProfile
 
     out = tmp_path / "profile.json"
     done = thinkpool("calibrate", "--bins", "1-2", "3-4", "--cr", "1", "--problems", "2", "--threads", "2",
-                     "--max-new-tokens", "200", "--top-p", "0.9", "--workers", "0", "--output", str(out))
+                     "--temperature", "0.8", "1.5", "--max-new-tokens", "200", "--top-p", "0.9", "--workers", "0",
+                     "--output", str(out))
     assert done.returncode == 0, done.stderr
     profile = CalibrationProfile.load(out)
     assert profile.top_p == 0.9  # the controller samples as the profile was measured
+    assert profile.temperatures() == [0.8, 1.5]  # the first given is the default
     for k in (1, 3):
         entries = profile.entries_for(k)
-        assert sorted((e.threads, e.greedy) for e in entries) == [(1, False), (1, True), (2, False)]
+        assert sorted((e.threads, e.greedy, e.temperature) for e in entries) == [
+            (1, False, 0.8), (1, False, 1.5), (1, True, None), (2, False, 0.8), (2, False, 1.5)]
         assert profile.greedy_accuracy(k, 1.0) is not None and all(e.tokens_per_thread > 5 for e in entries)

@@ -97,6 +97,33 @@ def test_planner_does_not_trade_a_greedy_thread_for_a_vote_the_profile_cannot_re
     assert p.model_copy(update={"problems": 16}).standard_error(1.0) > 0.05  # 16 of 16 is not certainty
 
 
+def temperature_profile() -> CalibrationProfile:
+    """Hard problems at 1x and 8x, sampled at 0.8 and 1.2: cooler threads vote better in fours, hotter ones in
+    sixteens (each is less accurate, but their errors differ more), as measured on the chain task."""
+    table = {0.8: {1: 0.5, 4: 0.62, 16: 0.68}, 1.2: {1: 0.42, 4: 0.55, 16: 0.76}}
+    entries = [ProfileEntry(k_min=1, k_max=20, cr=cr, threads=n, accuracy=a, tokens_per_thread=400, temperature=t)
+               for cr in (1, 8) for t, row in table.items() for n, a in row.items()]
+    return CalibrationProfile(model="synthetic", max_new_tokens=300, temperature=0.8, problems=400, window=16, entries=entries)
+
+
+def test_the_planner_picks_the_temperature_with_the_thread_count():
+    p = temperature_profile()
+    per_thread = {1: 400 * KV_PER_TOKEN, 8: 60 * KV_PER_TOKEN}
+    roomy = plan(p, 18, 10**9, linear(per_thread), [1, 8])
+    assert (roomy.cr, roomy.threads, roomy.temperature) == (1, 16, 1.2)  # 16 hot threads; the lower ratio of equals
+    tight = plan(p, 18, 4 * 400 * KV_PER_TOKEN, linear(per_thread), [1, 8])
+    assert (tight.cr, tight.threads, tight.temperature) == (8, 16, 1.2)  # 16 fit only at 8x
+    four = plan(p, 18, 4 * 60 * KV_PER_TOKEN, linear(per_thread), [1, 8])
+    assert (four.cr, four.threads, four.temperature) == (8, 4, 0.8)  # four threads vote better cool
+    fixed = plan(p, 18, 10**9, linear(per_thread), [1, 8], temperature=0.7)  # a caller's temperature: its nearest votes
+    assert (fixed.threads, fixed.temperature, fixed.expected_accuracy) == (16, 0.7, 0.68)
+    assert p.temperatures() == [0.8, 1.2] and p.nearest_temperature(1.0) == 0.8 and p.nearest_temperature(1.1) == 1.2
+    assert p.accuracy(18, 8, 16, 1.2) == 0.76 and p.accuracy(18, 8, 16) == 0.68  # default: the profile's temperature
+    # a profile whose entries name no temperature (measured before they did) is at the profile's
+    legacy = profile().model_copy(update={"temperature": 0.6})
+    assert plan(legacy, 18, 10**9, linear({1: 1, 4: 1, 8: 1}), [1, 4, 8]).temperature == 0.6
+
+
 class ScriptedPool:
     """Workers that answer from a script (sample index -> answer): for the graph's routing only. Every thread
     reports ``min_logprob`` as its least likely token (default: an unsure greedy thread)."""
@@ -129,6 +156,17 @@ def test_an_unsure_greedy_thread_is_followed_by_sampled_ones_that_settle_the_ans
     first, second = pool.requests
     assert first.samples == (0,) and first.params.temperature == 0.0  # the greedy thread
     assert second.samples == (1, 2, 3, 4) and (second.params.temperature, second.params.top_p) == (0.6, 0.9)
+
+
+def test_sampled_threads_run_at_the_planned_temperature_unless_the_controller_fixes_one():
+    budget = Budget(kv_budget_bytes=10**9, max_threads=17)
+    for fixed, expected in ((None, 1.2), (0.5, 0.5)):
+        pool = ScriptedPool(lambda i: str(i % 3))  # never settles: every planned round runs
+        controller = Controller(pool, temperature_profile(), build_tokenizer(), KV_PER_TOKEN, [1, 8], temperature=fixed)
+        state = asyncio.run(controller.solve("task", HARD, budget))
+        assert state["temperature"] == expected and state["rounds"][0]["temperature"] == expected
+        assert pool.requests[0].params.temperature == 0.0  # the greedy thread
+        assert {r.params.temperature for r in pool.requests[1:]} == {expected} and len(state["threads"]) == 17
 
 
 def test_a_confident_greedy_thread_is_the_answer():

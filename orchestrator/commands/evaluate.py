@@ -140,7 +140,7 @@ def eval_controller(args, parser, problems: list[dict], model_dir, options) -> i
     pool.shutdown()
     records = report.pop("problems")
     report["config"] = {"model": str(model_dir), "profile": str(args.profile), "max_threads": args.max_threads,
-                        "temperature": controller.temperature, "seed": options.seed}
+                        "temperature": controller.temperature or "planned", "seed": options.seed}
     if args.output:
         from tasks.jsonl import write_jsonl
 
