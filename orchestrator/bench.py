@@ -158,10 +158,10 @@ async def bench_load(url: str, concurrency: int, requests: int, samples: int = 2
         metrics = (await client.get("/metrics")).text
     gauges = {line.split()[0]: float(line.split()[1]) for line in metrics.splitlines()
               if line.startswith("thinkpool_pool") and not line.startswith("#")}
-    ordered = sorted(latencies)
+    from orchestrator.kv_growth import quantile
 
     def percentile(q: float) -> float:
-        return round(ordered[min(len(ordered) - 1, int(q * len(ordered)))], 3)
+        return round(quantile(latencies, q), 3)
 
     return {
         "url": url, "requests": requests, "concurrency": concurrency, "samples": samples,

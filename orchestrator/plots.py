@@ -98,3 +98,18 @@ def plot_vote_curves(runs: list[dict], path: str | Path, title: str = "majority 
     axes.set_xscale("log", base=2)
     axes.set_xlabel("threads voting per problem (diamond: the run's own vote)")
     return _finish(figure, axes, title, path)
+
+
+def plot_paired_gain(report: dict, path: str | Path, title: str = "paired accuracy per draw of problems") -> Path:
+    """Two bars per draw (and pooled): A's and B's accuracy, with A's gain and its 95% interval written above."""
+    groups = [*report["draws"], {"label": "pooled", **report["pooled"]}]
+    figure, axes = plt.subplots(figsize=(7.5, 4.5))
+    xs = range(len(groups))
+    axes.bar([x - 0.2 for x in xs], [100 * g["a"] for g in groups], width=0.4, label=report["a"])
+    axes.bar([x + 0.2 for x in xs], [100 * g["b"] for g in groups], width=0.4, label=report["b"])
+    for x, g in zip(xs, groups):
+        low, high = g["gain_95"]
+        axes.annotate(f"{100 * g['gain']:+.1f}\n[{100 * low:+.1f}, {100 * high:+.1f}]", (x, 100 * max(g["a"], g["b"]) + 2),
+                      ha="center", fontsize=8)
+    axes.set_xticks(list(xs), [f"{g['label']}\n({g['n']})" for g in groups])
+    return _finish(figure, axes, title, path)

@@ -101,3 +101,16 @@ done
 .venv/bin/thinkpool eval --problems runs/equal_memory_k16-20_fresh100.jsonl --model "$LONG" --cr 8 --kv-budget "$BUDGET" --samples fit \
   --max-new-tokens 1000 --temperature 1.0 --workers 0 --json --output runs/threads_cr8_long_T1.0_fresh100.jsonl \
   > "$OUT/equal_memory_cr8_long_T1.0_fresh100.json"
+# Session 18: a third draw, 200 fresh hard problems (seed 4005), each side at the temperature chosen before it
+# (vanilla 0.8, its best on both earlier draws; 8x-long 1.0); then 8x-long at 1.2 on the 140 (exploration).
+.venv/bin/thinkpool generate --n 200 --k 16-20 --seed 4005 --output runs/equal_memory_k16-20_fresh200.jsonl
+.venv/bin/thinkpool eval --problems runs/equal_memory_k16-20_fresh200.jsonl --kv-budget "$BUDGET" --samples fit --max-new-tokens 1000 \
+  --temperature 0.8 --workers 0 --json --output runs/threads_vanilla_T0.8_fresh200.jsonl > "$OUT/equal_memory_vanilla_T0.8_fresh200.json"
+.venv/bin/thinkpool eval --problems runs/equal_memory_k16-20_fresh200.jsonl --model "$LONG" --cr 8 --kv-budget "$BUDGET" --samples fit \
+  --max-new-tokens 1000 --temperature 1.0 --workers 0 --json --output runs/threads_cr8_long_T1.0_fresh200.jsonl \
+  > "$OUT/equal_memory_cr8_long_T1.0_fresh200.json"
+.venv/bin/python scripts/vote_curve.py "8x-long T1.0, 41 threads=runs/threads_cr8_long_T1.0_fresh200.jsonl" \
+  "vanilla T0.8, 4 threads=runs/threads_vanilla_T0.8_fresh200.jsonl" --plot "$OUT/vote_curve_fresh200.png" > "$OUT/vote_curve_fresh200.json"
+.venv/bin/thinkpool eval --problems runs/equal_memory_k16-20_140.jsonl --model "$LONG" --cr 8 --kv-budget "$BUDGET" --samples fit \
+  --max-new-tokens 1000 --temperature 1.2 --workers 0 --json --output runs/threads_cr8_long_T1.2_140.jsonl \
+  > "$OUT/equal_memory_cr8_long_T1.2_140.json"
