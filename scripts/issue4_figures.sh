@@ -114,3 +114,14 @@ done
 .venv/bin/thinkpool eval --problems runs/equal_memory_k16-20_140.jsonl --model "$LONG" --cr 8 --kv-budget "$BUDGET" --samples fit \
   --max-new-tokens 1000 --temperature 1.2 --workers 0 --json --output runs/threads_cr8_long_T1.2_140.jsonl \
   > "$OUT/equal_memory_cr8_long_T1.2_140.json"
+.venv/bin/thinkpool eval --problems runs/equal_memory_k16-20_fresh200.jsonl --kv-budget "$BUDGET" --samples fit --max-new-tokens 1000 \
+  --temperature 0.5 --workers 0 --json --output runs/threads_vanilla_T0.5_fresh200.jsonl > "$OUT/equal_memory_vanilla_T0.5_fresh200.json"
+# The paired gain over all three draws (the README's equal-memory table), from the kept threads.
+.venv/bin/python scripts/paired_gain.py "140 (seeds 4001-4003)=runs/threads_cr8_long_T1.0_140.jsonl,runs/threads_vanilla_T0.8_140.jsonl" \
+  "fresh 100 (4004)=runs/threads_cr8_long_T1.0_fresh100.jsonl,runs/threads_vanilla_T0.8_fresh100.jsonl" \
+  "fresh 200 (4005)=runs/threads_cr8_long_T1.0_fresh200.jsonl,runs/threads_vanilla_T0.8_fresh200.jsonl" \
+  --names "8x-long, 41 threads, T1.0" "vanilla, 4 threads, T0.8" --plot "$OUT/equal_memory_gain.png" > "$OUT/equal_memory_gain.json"
+.venv/bin/python scripts/paired_gain.py "140 (seeds 4001-4003)=runs/threads_cr8_long_T1.0_140.jsonl,runs/threads_vanilla_T05_140.jsonl" \
+  "fresh 100 (4004)=runs/threads_cr8_long_T1.0_fresh100.jsonl,runs/threads_vanilla_T0.5_fresh100.jsonl" \
+  "fresh 200 (4005)=runs/threads_cr8_long_T1.0_fresh200.jsonl,runs/threads_vanilla_T0.5_fresh200.jsonl" \
+  --names "8x-long, 41 threads, T1.0" "vanilla, 4 threads, T0.5" --plot "$OUT/equal_memory_gain_T05.png" > "$OUT/equal_memory_gain_T05.json"

@@ -52,3 +52,26 @@ def test_vote_curve_script_draws_subsets_of_the_kept_threads(tmp_path):
     assert plot.stat().st_size > 0
     bad = subprocess.run([sys.executable, "scripts/vote_curve.py", str(threads)], capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and "LABEL=FILE" in bad.stderr
+
+
+def test_paired_gain_script_rescores_votes_and_pairs_problems_by_id(tmp_path):
+    """``scripts/paired_gain.py``: A solves both problems (one by a confidence tie-break), B only the first."""
+    a = [{"id": "p1", "expected": "1", "threads": [{"answer": "1", "mean_logprob": -0.1}]},
+         {"id": "p2", "expected": "2", "threads": [{"answer": "3", "mean_logprob": -0.9}, {"answer": "2", "mean_logprob": -0.1}]}]
+    b = [{"id": "p2", "expected": "2", "threads": [{"answer": "3", "mean_logprob": -0.1}]},
+         {"id": "p1", "expected": "1", "threads": [{"answer": "1", "mean_logprob": -0.1}]}]
+    files = {}
+    for name, records in (("a", a), ("b", b), ("short", b[:1])):
+        files[name] = tmp_path / f"{name}.jsonl"
+        files[name].write_text("".join(json.dumps(r) + "\n" for r in records))
+    plot = tmp_path / "gain.png"
+    done = subprocess.run([sys.executable, "scripts/paired_gain.py", f"draw={files['a']},{files['b']}", "--plot", str(plot)],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    report = json.loads(done.stdout)
+    draw = report["draws"][0]
+    assert (draw["a"], draw["b"], draw["gain"], draw["only_a_right"], draw["only_b_right"]) == (1.0, 0.5, 0.5, 1, 0)
+    assert draw["gain_95"][0] <= 0.5 <= draw["gain_95"][1] and report["pooled"]["n"] == 2 and plot.stat().st_size > 0
+    mismatched = subprocess.run([sys.executable, "scripts/paired_gain.py", f"draw={files['a']},{files['short']}"],
+                                capture_output=True, text=True, timeout=120)
+    assert mismatched.returncode == 2 and "different problems" in mismatched.stderr
