@@ -159,8 +159,12 @@ class Controller:
         if threads <= 0:
             return 0.0
         if self.greedy_first:
-            return self.profile.accuracy_with_greedy(state["k"], cr, threads, state["temperature"])
-        return self.profile.accuracy(state["k"], cr, threads, state["temperature"])
+            return self.profile.accuracy_with_greedy(state["k"], cr, threads, self.sampling_temperature(state))
+        return self.profile.accuracy(state["k"], cr, threads, self.sampling_temperature(state))
+
+    def sampling_temperature(self, state: SolveState) -> float:
+        """The task's planned temperature (a task checkpointed before plans carried one: the profile's)."""
+        return state.get("temperature", self.profile.temperature)
 
     def dispatch(self, state: SolveState) -> dict:
         size = min(state["round_size"], self.fits(state, state["cr"]), state["max_threads"] - len(state.get("threads", [])))
@@ -182,7 +186,7 @@ class Controller:
         return [
             Send("run_chunk", ChunkState(task_id=state["task_id"], prompt=state["prompt"], seed=state["seed"], cr=state["cr"],
                                          max_new_tokens=state["max_new_tokens"], samples=samples[i : i + CHUNK],
-                                         temperature=0.0 if self.greedy_round(samples) else state["temperature"],
+                                         temperature=0.0 if self.greedy_round(samples) else self.sampling_temperature(state),
                                          kv_bytes=self.kv_bytes(state, state["cr"], len(samples[i : i + CHUNK])),
                                          priority=state.get("round_priority", 0.0)))
             for i in range(0, len(samples), CHUNK)
@@ -244,7 +248,7 @@ class Controller:
             if cr <= state["cr"] or self.fits(state, cr) <= self.fits(state, state["cr"]):
                 continue
             switch = min(self.fits(state, cr), remaining)
-            switched = self.profile.accuracy(state["k"], cr, switch, state["temperature"])
+            switched = self.profile.accuracy(state["k"], cr, switch, self.sampling_temperature(state))
             if switched > staying and switched >= now + self.min_gain:
                 return {"cr": cr, "round_size": switch, "target_threads": state["next_sample"] + switch,
                         "rounds": [{"event": "escalate", "cr": cr, "more_threads": switch}]}

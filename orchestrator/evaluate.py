@@ -200,7 +200,7 @@ async def evaluate_with_controller(problems: list[dict], controller, budget, see
         records.append({"id": problem["id"], "k": problem.get("k"), "expected": problem["answer"], "answer": state["answer"],
                         "correct": answers_match(state["answer"], problem["answer"]), "votes": state["votes"],
                         "thread_accuracy": sum(answers_match(t["answer"], problem["answer"]) for t in threads) / len(threads),
-                        "threads": len(threads), "cr": state["cr"], "temperature": state["temperature"],
+                        "threads": len(threads), "cr": state["cr"], "temperature": controller.sampling_temperature(state),
                         "stop_reason": state["stop_reason"],
                         "tokens": sum(t["tokens"] for t in threads), "rounds": state["rounds"]})
         if progress is not None:

@@ -5,15 +5,16 @@ and ratio, the vote accuracy of n sampled threads (n = 1, 2, 4, ...) at each cal
 accuracy of one greedy thread (``greedy`` entries), and the mean tokens per thread. The planner picks, among
 the configurations whose KV reservation fits the task's budget, the most accurate one; among those within
 ``tolerance`` of it, the one with the fewest threads (so the fewest tokens), then the lowest ratio, then
-greedy, then the profile's first temperature, then the most accurate. "Within" widens with the profile's noise: a profile measured on 16 problems per bin cannot tell
-0.94 from 1.00, and the planner must not trade one greedy thread for sixteen sampled ones on such a
-difference. A greedy thread often beats a vote of a few sampled ones (sampling trades each thread's
+greedy, then the profile's first temperature, then the most accurate. "Within" widens with the profile's
+noise: a profile measured on 16 problems per bin cannot tell 0.94 from 1.00, and the planner must not trade
+one greedy thread for sixteen sampled ones on such a difference. A greedy thread often beats a vote of a few sampled ones (sampling trades each thread's
 accuracy for diversity), so "one greedy thread" is a plan like any other. Expected accuracy per added
 thread also ranks tasks competing for the same workers.
 
 Temperature is planned with the thread count because the best one depends on it: hot threads are each less
 accurate but err more differently, which only a large vote can use (on 140 hard chain problems, the 8x
-model's threads: 43.5% right each at 1.0 against 50.6% at 0.8, yet 41 of them voted 72.9% where 39 at 0.8 voted 68.6%).
+model's threads were right 43.5% of the time at 1.0 and 50.6% at 0.8, yet 41 of them voted 72.9% where 39
+at 0.8 voted 68.6%; vanilla's 4 voted best at 0.5-0.8).
 """
 
 from __future__ import annotations

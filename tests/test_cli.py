@@ -112,6 +112,7 @@ def test_bench_controller_compares_against_fixed_configurations(easy_file, tmp_p
     assert fixed_one["samples_per_problem"] == 1 and fixed_two["samples_per_problem"] == 2
     assert fixed_two["tokens_generated"] > fixed_one["tokens_generated"]
     assert controller["n"] == 3 and sum(controller["threads_chosen"].values()) == 3
+    assert controller["temperatures_chosen"] == {"0.8": 3}  # the shipped profile holds votes at 0.8 alone
     comparison = report["comparison"]
     best = next(r for r in report["runs"] if r["method"] == comparison["best_fixed"])
     assert comparison["token_fraction"] == round(controller["tokens_generated"] / best["tokens_generated"], 4)
