@@ -19,3 +19,9 @@ if [ "$N_FRESH" -gt 0 ]; then
   .venv/bin/thinkpool eval --problems runs/fresh_k1-20.jsonl --workers 0 --json --plot "$OUT/greedy_by_k.png" \
     > "$OUT/greedy_k1-20.json"
 fi
+# Session 18, exploration for the next model: vote@16 at temperature 1.0 on the first 100 of the equal-memory 140
+# (seeds 4001, 4002), against greedy on the same 100. To be checked on a fresh draw.
+head -100 runs/equal_memory_k16-20_140.jsonl > runs/dev100_of_140.jsonl
+.venv/bin/thinkpool eval --problems runs/dev100_of_140.jsonl --samples 16 --temperature 1.0 --batch-size 160 --workers 0 \
+  --json --output runs/threads_vote16_T1.0_dev100.jsonl > "$OUT/vote16_T1.0_dev100.json"
+.venv/bin/thinkpool eval --problems runs/dev100_of_140.jsonl --workers 0 --json > "$OUT/greedy_dev100.json"
