@@ -21,7 +21,9 @@ if [ "$N_FRESH" -gt 0 ]; then
 fi
 # Session 18, exploration for the next model: vote@16 at temperature 1.0 on the first 100 of the equal-memory 140
 # (seeds 4001, 4002), against greedy on the same 100. To be checked on a fresh draw.
-head -100 runs/equal_memory_k16-20_140.jsonl > runs/dev100_of_140.jsonl
+.venv/bin/thinkpool generate --n 60 --k 16-20 --seed 4001 --output runs/dev60_4001.jsonl
+.venv/bin/thinkpool generate --n 40 --k 16-20 --seed 4002 --output runs/dev40_4002.jsonl
+cat runs/dev60_4001.jsonl runs/dev40_4002.jsonl > runs/dev100_of_140.jsonl
 .venv/bin/thinkpool eval --problems runs/dev100_of_140.jsonl --samples 16 --temperature 1.0 --batch-size 160 --workers 0 \
   --json --output runs/threads_vote16_T1.0_dev100.jsonl > "$OUT/vote16_T1.0_dev100.json"
 .venv/bin/thinkpool eval --problems runs/dev100_of_140.jsonl --workers 0 --json > "$OUT/greedy_dev100.json"
