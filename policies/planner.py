@@ -7,9 +7,9 @@ the configurations whose KV reservation fits the task's budget, the most accurat
 ``tolerance`` of it, the one with the fewest threads (so the fewest tokens), then the lowest ratio, then
 greedy, then the profile's first temperature, then the most accurate. "Within" widens with the profile's
 noise: a profile measured on 16 problems per bin cannot tell 0.94 from 1.00, and the planner must not trade
-one greedy thread for sixteen sampled ones on such a difference. A greedy thread often beats a vote of a few sampled ones (sampling trades each thread's
-accuracy for diversity), so "one greedy thread" is a plan like any other. Expected accuracy per added
-thread also ranks tasks competing for the same workers.
+one greedy thread for sixteen sampled ones on such a difference. A greedy thread often beats a vote of a few
+sampled ones (sampling trades each thread's accuracy for diversity), so "one greedy thread" is a plan like
+any other. Expected accuracy per added thread also ranks tasks competing for the same workers.
 
 Temperature is planned with the thread count because the best one depends on it: hot threads are each less
 accurate but err more differently, which only a large vote can use (on 140 hard chain problems, the 8x

@@ -16,14 +16,14 @@ import json
 import random
 from pathlib import Path
 
+from orchestrator.kv_growth import quantile
 from policies.extraction import answers_match
-from vote_curve import read_records, vote  # this folder's script: the eval's vote over kept threads
+from vote_curve import kept_threads, read_records, vote  # this folder's script: the eval's vote over kept threads
 
 
 def correctness(path: Path) -> dict[str, bool]:
     """Problem id -> whether the re-scored vote of its kept threads is right."""
-    return {r["id"]: answers_match(vote([(t["answer"], t.get("mean_logprob", 0.0)) for t in r["threads"]]).answer,
-                                   r["expected"]) for r in read_records(path)}
+    return {r["id"]: answers_match(vote(kept_threads(r)).answer, r["expected"]) for r in read_records(path)}
 
 
 def paired(a: dict[str, bool], b: dict[str, bool]) -> list[tuple[bool, bool]]:
@@ -35,10 +35,10 @@ def paired(a: dict[str, bool], b: dict[str, bool]) -> list[tuple[bool, bool]]:
 def summary(pairs: list[tuple[bool, bool]], resamples: int, rng: random.Random) -> dict:
     n = len(pairs)
     diffs = [int(x) - int(y) for x, y in pairs]
-    boot = sorted(sum(rng.choice(diffs) for _ in range(n)) / n for _ in range(resamples))
+    boot = [sum(rng.choice(diffs) for _ in range(n)) / n for _ in range(resamples)]
     return {"n": n, "a": round(sum(x for x, _ in pairs) / n, 4), "b": round(sum(y for _, y in pairs) / n, 4),
             "gain": round(sum(diffs) / n, 4), "only_a_right": diffs.count(1), "only_b_right": diffs.count(-1),
-            "gain_95": [round(boot[int(0.025 * resamples)], 4), round(boot[int(0.975 * resamples) - 1], 4)]}
+            "gain_95": [round(quantile(boot, 0.025), 4), round(quantile(boot, 0.975), 4)]}
 
 
 def main() -> None:

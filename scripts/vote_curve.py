@@ -24,13 +24,18 @@ from tasks.jsonl import read_jsonl
 def vote_curve(records: list[dict], draws: int, seed: int) -> dict[int, float]:
     """Mean accuracy of a majority vote over ``n`` random threads of each problem, for n = 1 .. the fewest kept."""
     rng = random.Random(seed)
-    threads = [[(t["answer"], t.get("mean_logprob", 0.0)) for t in r["threads"]] for r in records]
+    threads = [kept_threads(r) for r in records]
     curve = {}
     for n in range(1, min(map(len, threads)) + 1):
         right = sum(answers_match(vote(rng.sample(kept, n)).answer, record["expected"])
                     for kept, record in zip(threads, records) for _ in range(draws))
         curve[n] = round(right / (draws * len(records)), 4)
     return curve
+
+
+def kept_threads(record: dict) -> list[tuple[str | None, float]]:
+    """A record's kept threads as (answer, mean log-probability) pairs, what :func:`vote` takes."""
+    return [(t["answer"], t.get("mean_logprob", 0.0)) for t in record["threads"]]
 
 
 def vote(threads: list[tuple[str | None, float]]):
