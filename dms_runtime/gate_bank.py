@@ -59,14 +59,15 @@ class GateBank(nn.Module):
 
 
 class AdapterSet:
-    """The adapters a worker serves, by compression ratio, attached to its model as gate banks, with what each
-    one's heads keep of a thread (its measured KV growth; DESIGN's ``1/cr`` for an adapter never measured)."""
+    """The adapters a worker serves, by compression ratio, attached to its model as gate banks, with the KV growth
+    measured for each (what its heads keep of a thread; an adapter never measured has none here, and the budget
+    model reserves DESIGN's ``1/cr`` for it)."""
 
     def __init__(self, model: nn.Module, adapters: dict[float, tuple[nn.ModuleList, DMSConfig]],
                  growth: dict[float, KVGrowth] | None = None):
         self.ratios = sorted(adapters)
         self.windows = {cr: adapters[cr][1].window for cr in self.ratios}
-        self.growths = {cr: (growth or {}).get(cr) or KVGrowth.nominal(cr) for cr in self.ratios}
+        self.growths = {cr: g for cr, g in (growth or {}).items() if cr in self.windows}
         c = model.config
         layers = c.num_hidden_layers
         self.banks = nn.ModuleList(

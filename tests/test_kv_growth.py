@@ -65,5 +65,7 @@ def test_kv_growth_measures_stores_and_lets_the_pool_hold_more_threads(tmp_path)
     nominal_engine = build_engine(WorkerConfig(model=str(model), kv_budget_bytes=EQUAL_MEMORY, device="cpu", reserve="nominal"))
     try:  # the A/B switch: the same adapters reserved at 1/cr
         assert nominal_engine.fit(prompt, params, 8) == nominal.threads_that_fit(EQUAL_MEMORY, 8, prompt_tokens, 1000)
+        # ... and it reports the growth it reserves at, so a planner elsewhere counts 1/cr too.
+        assert nominal_engine.budget_model.as_dict()["growth"][8.0] == KVGrowth.nominal(8).as_dict()
     finally:
         nominal_engine.close()

@@ -65,6 +65,7 @@ class KVBudgetModel:
         return 0 if cr <= 1 else self.windows[cr]
 
     def growth(self, cr: float) -> KVGrowth:
+        """The growth admission reserves at: the measured one, else DESIGN's ``1/cr``."""
         return self.growths.get(cr) or KVGrowth.nominal(cr)
 
     def group_bytes(self, cr: float, prompt: int, limit: int, threads: int = 1) -> int:
@@ -76,7 +77,7 @@ class KVBudgetModel:
 
     def as_dict(self) -> dict:
         return {"kv_bytes_per_token": self.kv_bytes_per_token, "windows": dict(self.windows),
-                "growth": {cr: g.as_dict() for cr, g in self.growths.items()}}
+                "growth": {cr: self.growth(cr).as_dict() for cr in self.windows}}
 
     @classmethod
     def from_dict(cls, data: dict) -> "KVBudgetModel":

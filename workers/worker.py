@@ -189,7 +189,6 @@ class ModelWorker:
         return {
             "model": self.config.model,
             "ratios": [1.0] + list(self.engine.adapters.ratios),
-            "windows": {cr: self.engine.adapters.window(cr) for cr in [1.0] + list(self.engine.adapters.ratios)},
             "budget_model": self.engine.budget_model.as_dict(),
             "kv_budget_bytes": self.engine.pool.budget_bytes,
             "geometry": kv_geometry(self.engine.model).as_dict(),
