@@ -36,6 +36,20 @@ def test_vote_reports_samples_and_votes(easy_file, tmp_path):
     assert len(records) == 2 and all(sum(r["votes"].values()) <= 4 for r in records)
 
 
+def test_eval_controller_reports_its_plans_and_writes_each_task(easy_file, tmp_path):
+    out = tmp_path / "tasks.jsonl"
+    done = thinkpool("eval", "--problems", str(easy_file), "--limit", "2", "--controller", "auto", "--kv-budget", "8MB",
+                     "--max-threads", "4", "--workers", "0", "--json", "--output", str(out))
+    assert done.returncode == 0, done.stderr
+    report = json.loads(done.stdout)
+    assert report["method"] == "controller" and report["n"] == 2 and sum(report["ratios_chosen"].values()) == 2
+    assert report["config"]["max_threads"] == 4 and report["config"]["temperature"] is None  # planned per task
+    assert report["config"]["profile"].endswith(".json") and 0 < report["kv_peak_bytes"] <= 8_000_000
+    records = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [r["id"] for r in records] == [json.loads(line)["id"] for line in easy_file.read_text().splitlines()[:2]]
+    assert all(1 <= r["threads"] <= 4 and r["rounds"] for r in records)
+
+
 def test_kv_budget_with_samples_fit_never_exceeds_the_pool(easy_file):
     budget = 6_000_000
     done = thinkpool("eval", "--problems", str(easy_file), "--limit", "2", "--samples", "fit", "--kv-budget", "6MB",
@@ -113,6 +127,7 @@ def test_bench_controller_compares_against_fixed_configurations(easy_file, tmp_p
     assert fixed_two["tokens_generated"] > fixed_one["tokens_generated"]
     assert controller["n"] == 3 and sum(controller["threads_chosen"].values()) == 3
     assert controller["temperatures_chosen"] == {"0.8": 3}  # the shipped profile holds votes at 0.8 alone
+    assert controller["config"]["temperature"] is None  # planned per task, not fixed
     comparison = report["comparison"]
     best = next(r for r in report["runs"] if r["method"] == comparison["best_fixed"])
     assert comparison["token_fraction"] == round(controller["tokens_generated"] / best["tokens_generated"], 4)

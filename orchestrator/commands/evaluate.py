@@ -121,13 +121,16 @@ def make_controller(args, parser, problems: list[dict], model_dir, pool):
 
 
 async def run_controller(problems: list[dict], pool, controller, budget, seed: int) -> dict:
-    """The controller's report on ``problems``, with the pool's KV peak."""
+    """The controller's report on ``problems``, with the pool's KV peak and the controller's settings."""
     from orchestrator.evaluate import evaluate_with_controller
 
     await pool.reset_peaks()
     report = await evaluate_with_controller(problems, controller, budget, seed, progress=lambda line: print(line, file=sys.stderr))
     stats = [s for s in await pool.stats() if s is not None]
-    return {**report, "kv_peak_bytes": max(s.pool_peak_bytes for s in stats), "kv_budget_bytes": budget.kv_budget_bytes}
+    # temperature: the one fixed for every task, or null when each task's plan chose (see temperatures_chosen).
+    config = {"max_threads": budget.max_threads, "temperature": controller.temperature, "seed": seed}
+    return {**report, "kv_peak_bytes": max(s.pool_peak_bytes for s in stats), "kv_budget_bytes": budget.kv_budget_bytes,
+            "config": config}
 
 
 def eval_controller(args, parser, problems: list[dict], model_dir, options) -> int:
@@ -139,8 +142,7 @@ def eval_controller(args, parser, problems: list[dict], model_dir, options) -> i
     report = asyncio.run(run_controller(problems, pool, controller, budget, options.seed))
     pool.shutdown()
     records = report.pop("problems")
-    report["config"] = {"model": str(model_dir), "profile": str(args.profile), "max_threads": args.max_threads,
-                        "temperature": controller.temperature or "planned", "seed": options.seed}
+    report["config"] = {"model": str(model_dir), "profile": str(args.profile), **report["config"]}
     if args.output:
         from tasks.jsonl import write_jsonl
 
