@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 from typing import Callable
 
-from orchestrator.settings import get_settings
+from orchestrator.settings import DEFAULT_PROFILE, get_settings
 
 
 def bounded(kind: Callable, low: float | None = None, high: float | None = None) -> Callable:
@@ -129,7 +129,7 @@ def build_parser() -> argparse.ArgumentParser:
                           help="the ratio every --press is held to")
     evaluate.add_argument("--controller", choices=["auto"], default=None,
                           help="let the controller choose ratio and threads per problem (needs --kv-budget)")
-    evaluate.add_argument("--profile", type=Path, default=Path("configs/calibration_chain.json"),
+    evaluate.add_argument("--profile", type=Path, default=DEFAULT_PROFILE,
                           help="the controller's calibration profile (thinkpool calibrate)")
     evaluate.add_argument("--max-threads", type=bounded(int, 1, max_samples), default=32,
                           help="the controller's thread budget per problem")
@@ -162,7 +162,7 @@ def build_parser() -> argparse.ArgumentParser:
     versus.add_argument("--kv-budget", type=byte_size, required=True, help="the memory each problem's threads may hold")
     versus.add_argument("--fixed", type=fixed_config, nargs="+", default=[(1.0, 4), (4.0, 8), (8.0, 16), (8.0, 32)],
                         help="fixed configurations CRxTHREADS (default: 1x4 4x8 8x16 8x32)")
-    versus.add_argument("--profile", type=Path, default=Path("configs/calibration_chain.json"))
+    versus.add_argument("--profile", type=Path, default=DEFAULT_PROFILE)
     versus.add_argument("--max-threads", type=bounded(int, 1, max_samples), default=32, help="the controller's threads per problem")
     versus.add_argument("--seed", type=int, default=0)
     versus.add_argument("--temperature", type=bounded(float, 0.01, 5.0), default=settings.sampling.temperature)
@@ -201,7 +201,7 @@ def build_parser() -> argparse.ArgumentParser:
     calibrate.add_argument("--top-p", type=bounded(float, 0.01, 1.0), default=settings.sampling.top_p)
     calibrate.add_argument("--seed", type=int, default=777)
     calibrate.add_argument("--workers", type=bounded(int, 0, 64), default=1)
-    calibrate.add_argument("--output", type=Path, default=Path("configs/calibration_chain.json"))
+    calibrate.add_argument("--output", type=Path, default=DEFAULT_PROFILE)
     add_model(calibrate)
 
     info = commands.add_parser("info", help="the model served by default and its KV geometry")

@@ -14,15 +14,13 @@ from pathlib import Path
 from orchestrator.controller import Budget, Controller
 from orchestrator.allocator import ThreadAllocator
 from orchestrator.schemas import SolveRequest, SolveResult, ThreadSummary
-from orchestrator.settings import get_settings
+from orchestrator.settings import DEFAULT_PROFILE, get_settings
 from policies.planner import CalibrationProfile
 from policies.voting import majority_vote
 from tasks.prompt import format_prompt
 from workers.kv_budget import KVBudgetModel
 from workers.thread import SamplingParams
 from workers.worker import ProblemRequest
-
-DEFAULT_PROFILE = Path(__file__).resolve().parent.parent / "configs" / "calibration_chain.json"
 
 
 class SolveService:

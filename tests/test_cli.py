@@ -7,8 +7,8 @@ import sys
 import pytest
 
 
-def thinkpool(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "orchestrator.cli", *args], capture_output=True, text=True, timeout=600)
+def thinkpool(*args: str, cwd=None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "orchestrator.cli", *args], capture_output=True, text=True, timeout=600, cwd=cwd)
 
 
 def test_eval_json_reports_the_documented_fields(easy_file, tmp_path):
@@ -39,8 +39,8 @@ def test_vote_reports_samples_and_votes(easy_file, tmp_path):
 def test_eval_controller_reports_its_plans_and_writes_each_task(easy_file, tmp_path):
     out = tmp_path / "tasks.jsonl"
     done = thinkpool("eval", "--problems", str(easy_file), "--limit", "2", "--controller", "auto", "--kv-budget", "8MB",
-                     "--max-threads", "4", "--workers", "0", "--json", "--output", str(out))
-    assert done.returncode == 0, done.stderr
+                     "--max-threads", "4", "--workers", "0", "--json", "--output", str(out), cwd=tmp_path)
+    assert done.returncode == 0, done.stderr  # the shipped profile is found from any working directory
     report = json.loads(done.stdout)
     assert report["method"] == "controller" and report["n"] == 2 and sum(report["ratios_chosen"].values()) == 2
     assert report["config"]["max_threads"] == 4 and report["config"]["temperature"] is None  # planned per task
