@@ -15,7 +15,6 @@ import time
 from pathlib import Path
 
 import torch
-import yaml
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 from tqdm import tqdm
 from transformers import Qwen3Config, Qwen3ForCausalLM
@@ -23,6 +22,7 @@ from transformers import Qwen3Config, Qwen3ForCausalLM
 from dms_runtime.chain_data import IGNORE, difficulty_batch
 from dms_runtime.precision import autocast
 from dms_runtime.tokenizer import build_tokenizer
+from dms_runtime.yaml_config import load_yaml_config
 
 
 class ModelShape(BaseModel):
@@ -80,8 +80,9 @@ class TrainConfig(BaseModel):
         return path
 
     @classmethod
-    def from_yaml(cls, path: str | Path) -> TrainConfig:
-        return cls.model_validate(yaml.safe_load(Path(path).read_text()) or {})
+    def from_yaml(cls, path: str | Path, **overrides) -> TrainConfig:
+        """The config at ``path`` (its ``base`` chain resolved, see :mod:`dms_runtime.yaml_config`), then ``overrides``."""
+        return cls.model_validate(load_yaml_config(path) | overrides)
 
 
 def build_model(shape: ModelShape, tokenizer) -> Qwen3ForCausalLM:

@@ -38,7 +38,6 @@ from pathlib import Path
 from typing import Literal
 
 import torch
-import yaml
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from torch import nn
 from tqdm import tqdm
@@ -53,6 +52,7 @@ from dms_runtime.gates import build_gates
 from dms_runtime.labels import RoleLabels, eligible_mask, far_attention_labels, left_window_mask, sampled_quantile
 from dms_runtime.loading import load_model
 from dms_runtime.precision import autocast
+from dms_runtime.yaml_config import load_yaml_config
 
 
 class RetrofitConfig(BaseModel):
@@ -134,8 +134,9 @@ class RetrofitConfig(BaseModel):
         return ratios
 
     @classmethod
-    def from_yaml(cls, path: str | Path) -> RetrofitConfig:
-        return cls.model_validate(yaml.safe_load(Path(path).read_text()) or {})
+    def from_yaml(cls, path: str | Path, **overrides) -> RetrofitConfig:
+        """The config at ``path`` (its ``base`` chain resolved, see :mod:`dms_runtime.yaml_config`), then ``overrides``."""
+        return cls.model_validate(load_yaml_config(path) | overrides)
 
     @property
     def dms(self) -> DMSConfig:

@@ -45,12 +45,13 @@ def cmd_train(args, parser) -> int:
     from pydantic import ValidationError
 
     from dms_runtime.base_train import TrainConfig, train
+    from dms_runtime.yaml_config import ConfigFileError
 
     if not args.config.is_file():
         parser.error(f"argument --config: file not found: {args.config}")
     try:
         config = TrainConfig.from_yaml(args.config)
-    except ValidationError as error:
+    except (ValidationError, ConfigFileError) as error:
         parser.error(f"argument --config: {error}")
     path = train(config, steps=args.steps)
     print(f"checkpoint: {path}")
@@ -61,6 +62,7 @@ def cmd_retrofit(args, parser) -> int:
     from pydantic import ValidationError
 
     from dms_runtime.retrofit import RetrofitConfig, retrofit
+    from dms_runtime.yaml_config import ConfigFileError
 
     if not args.config.is_file():
         parser.error(f"argument --config: file not found: {args.config}")
@@ -74,11 +76,8 @@ def cmd_retrofit(args, parser) -> int:
         "full_finetune": True if args.full_finetune else None,
     }
     try:
-        import yaml
-
-        data = yaml.safe_load(args.config.read_text()) or {}
-        config = RetrofitConfig.model_validate(data | {k: v for k, v in overrides.items() if v is not None})
-    except ValidationError as error:
+        config = RetrofitConfig.from_yaml(args.config, **{k: v for k, v in overrides.items() if v is not None})
+    except (ValidationError, ConfigFileError) as error:
         parser.error(f"argument --config: {error}")
     if not (Path(config.model) / "config.json").is_file():
         parser.error(f"argument --model: no model at {config.model}")
