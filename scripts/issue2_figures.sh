@@ -11,7 +11,8 @@ mkdir -p "$OUT" runs
 .venv/bin/thinkpool generate --n 60 --k 1-6 --seed 998 --output runs/easy60_998.jsonl
 .venv/bin/thinkpool generate --n "$N_HARD" --k 16-20 --seed 1005 --output runs/hard100_1005.jsonl
 .venv/bin/thinkpool eval --problems runs/easy60_998.jsonl --workers 0 --json > "$OUT/greedy_easy60_998.json"
-.venv/bin/thinkpool eval --problems runs/hard100_1005.jsonl --workers 0 --json > "$OUT/greedy_hard100_1005.json"
+.venv/bin/thinkpool eval --problems runs/hard100_1005.jsonl --workers 0 --json --output "$OUT/threads_greedy_hard100_1005.jsonl" \
+  > "$OUT/greedy_hard100_1005.json"
 .venv/bin/thinkpool eval --problems runs/hard100_1005.jsonl --samples 16 --temperature 0.8 --batch-size 160 --workers 0 \
   --json --output runs/threads_vote16_hard100_1005.jsonl > "$OUT/vote16_hard100_1005.json"
 if [ "$N_FRESH" -gt 0 ]; then
@@ -26,4 +27,23 @@ fi
 cat runs/dev60_4001.jsonl runs/dev40_4002.jsonl > runs/dev100_of_140.jsonl
 .venv/bin/thinkpool eval --problems runs/dev100_of_140.jsonl --samples 16 --temperature 1.0 --batch-size 160 --workers 0 \
   --json --output runs/threads_vote16_T1.0_dev100.jsonl > "$OUT/vote16_T1.0_dev100.json"
-.venv/bin/thinkpool eval --problems runs/dev100_of_140.jsonl --workers 0 --json > "$OUT/greedy_dev100.json"
+.venv/bin/thinkpool eval --problems runs/dev100_of_140.jsonl --workers 0 --json --output "$OUT/threads_greedy_dev100.jsonl" \
+  > "$OUT/greedy_dev100.json"
+# Session 19: the check of that lead on a fresh draw (200 problems, seed 1006, generated after the setting was
+# chosen) and temperature 1.0 on the headline 100 of seed 1005; greedy threads are kept above for paired intervals.
+.venv/bin/thinkpool generate --n 200 --k 16-20 --seed 1006 --output runs/hard200_1006.jsonl
+.venv/bin/thinkpool eval --problems runs/hard200_1006.jsonl --workers 0 --json --output "$OUT/threads_greedy_hard200_1006.jsonl" \
+  > "$OUT/greedy_hard200_1006.json"
+.venv/bin/thinkpool eval --problems runs/hard200_1006.jsonl --samples 16 --temperature 1.0 --batch-size 160 --workers 0 \
+  --json --output "$OUT/threads_vote16_T1.0_hard200_1006.jsonl" > "$OUT/vote16_T1.0_hard200_1006.json"
+.venv/bin/thinkpool eval --problems runs/hard100_1005.jsonl --samples 16 --temperature 1.0 --batch-size 160 --workers 0 \
+  --json --output "$OUT/threads_vote16_T1.0_hard100_1005.jsonl" > "$OUT/vote16_T1.0_hard100_1005.json"
+# Pooled over the three draws at temperature 1.0 (400 distinct problems), paired by problem.
+.venv/bin/python scripts/paired_gain.py --names "vote@16 T1.0" greedy --plot "$OUT/vote16_T1.0_gain.png" \
+  "seed 1005=$OUT/threads_vote16_T1.0_hard100_1005.jsonl,$OUT/threads_greedy_hard100_1005.jsonl" \
+  "dev 100=$OUT/threads_vote16_T1.0_dev100.jsonl,$OUT/threads_greedy_dev100.jsonl" \
+  "fresh 200 (1006)=$OUT/threads_vote16_T1.0_hard200_1006.jsonl,$OUT/threads_greedy_hard200_1006.jsonl" \
+  > "$OUT/vote16_T1.0_gain.json"
+.venv/bin/python scripts/vote_curve.py --plot "$OUT/vote16_curve.png" \
+  "T1.0, fresh 200 (1006)=$OUT/threads_vote16_T1.0_hard200_1006.jsonl" "T1.0, seed 1005=$OUT/threads_vote16_T1.0_hard100_1005.jsonl" \
+  "T0.8, seed 1005=$OUT/threads_vote16_hard100_1005.jsonl" > "$OUT/vote16_curve.json"
