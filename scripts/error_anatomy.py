@@ -7,7 +7,8 @@
 Decodes every problem greedily (optionally under a DMS adapter), compares each failed thread's chain of
 thought with the reference one line by line, and names the part of the first line that differs: the
 header copied from the prompt (``r=h+p``), the operand values copied from register lines (``h:00+p:22``),
-the single-digit facts, or the register it writes. With ``--samples N`` the failed problems are also
+the single-digit facts, or the register it writes; a wrong header is also classified (``header_defects``:
+its operator, its operands, or both, and whether it is another statement of the prompt). With ``--samples N`` the failed problems are also
 sampled N times (temperature 0.8): how many sampled threads are right, which answers they give, and
 where they first go wrong. Prints one JSON object.
 
@@ -21,18 +22,20 @@ from __future__ import annotations
 import argparse
 import collections
 import json
+import re
 from pathlib import Path
 
 from dms_runtime.adapters import adapter_path, load_adapter
 from dms_runtime.loading import SHIPPED_MODEL, load_model
 from policies.extraction import answers_match
-from tasks.chain import parse_problem
+from tasks.chain import Problem, parse_problem
 from tasks.cot import line_forms
 from tasks.jsonl import read_jsonl
 from tasks.prompt import format_prompt
 from workers.batch_generate import KVPolicy, SamplingParams, generate_threads
 
 WORK_LINE = ("header", "operands", "facts")
+HEADER = re.compile(r"([a-z]+)=([a-z]+)([-+*])([a-z]+)")
 
 
 def first_error(text: str, forms: list[list[str]]) -> dict | None:
@@ -51,6 +54,20 @@ def first_error(text: str, forms: list[list[str]]) -> dict | None:
     return None
 
 
+def header_defect(got: str, want: str, problem: Problem) -> str:
+    """What a wrongly copied header (``r=h*p`` for ``r=h+p``) got wrong: the operator, the operands, both, or the
+    variable; ``+statement`` when it is another derived statement of the prompt (either operand order)."""
+    match = HEADER.fullmatch(got)
+    if match is None:
+        return "malformed"
+    var, y, op, z = match.groups()
+    want_var, want_y, want_op, want_z = HEADER.fullmatch(want).groups()  # type: ignore[union-attr]
+    wrong = [name for name, bad in (("variable", var != want_var), ("operator", op != want_op),
+                                    ("operands", {y, z} != {want_y, want_z})) if bad]
+    other = any(a.op == op and {a.y, a.z} == {y, z} and a.var != want_var for a in problem.assignments if not a.is_input)
+    return "+".join(wrong or ["none"]) + ("+statement" if other else "")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--problems", required=True, type=Path)
@@ -66,14 +83,18 @@ def main() -> None:
     model, tokenizer = load_model(args.model)
     kv = KVPolicy(dms=load_adapter(model, adapter_path(args.model, args.cr))) if args.cr > 1 else None
     prompts = [format_prompt(p["prompt"]) for p in problems]
-    forms = [line_forms(parse_problem(p["prompt"])) for p in problems]
+    parsed = [parse_problem(p["prompt"]) for p in problems]
+    forms = [line_forms(problem) for problem in parsed]
     greedy = generate_threads(model, tokenizer, prompts, 1, SamplingParams(temperature=0), progress=False, kv=kv)
     failed = [t for t in greedy.threads if not answers_match(t.answer, problems[t.problem_index]["answer"])]
     report: dict = {"n": len(problems), "greedy_accuracy": 1 - len(failed) / max(1, len(problems)),
-                    "first_error_parts": collections.Counter(), "failed": []}
+                    "first_error_parts": collections.Counter(), "header_defects": collections.Counter(), "failed": []}
     for thread in failed:
         error = first_error(thread.text, forms[thread.problem_index])
         report["first_error_parts"][error["part"] if error else "none"] += 1
+        if error and error["part"] == "header":
+            error["defect"] = header_defect(error["got"].split("|")[0], error["want"].split("|")[0], parsed[thread.problem_index])
+            report["header_defects"][error["defect"]] += 1
         report["failed"].append({"problem": problems[thread.problem_index]["id"], "k": problems[thread.problem_index].get("k"),
                                  "answer": problems[thread.problem_index]["answer"], "greedy": thread.answer,
                                  "first_error": error})
