@@ -1,9 +1,13 @@
+import importlib.util
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 from policies.extraction import answers_match, extract_chain_answer
 from policies.voting import majority_vote
+from tasks.chain import parse_problem
+from tasks.cot import line_forms
 
 
 def test_extraction_takes_the_number_after_the_last_marker():
@@ -75,3 +79,23 @@ def test_paired_gain_script_rescores_votes_and_pairs_problems_by_id(tmp_path):
     mismatched = subprocess.run([sys.executable, "scripts/paired_gain.py", f"draw={files['a']},{files['short']}"],
                                 capture_output=True, text=True, timeout=120)
     assert mismatched.returncode == 2 and "different problems" in mismatched.stderr
+
+
+def test_error_anatomy_names_the_first_defect_of_a_thread_and_of_its_header():
+    """``scripts/error_anatomy.py``'s classifiers: the first line off every valid path, and what its header got wrong."""
+    spec = importlib.util.spec_from_file_location("error_anatomy", Path(__file__).parent.parent / "scripts" / "error_anatomy.py")
+    anatomy = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(anatomy)
+    problem = parse_problem("a=7;b=42;c=a+b;d=c*a;e=a-b;?e")
+    forms = line_forms(problem)
+    right = "\n".join(options[-1] for options in forms)  # the other operand order where there is one: still valid
+    assert anatomy.first_error(right, forms) is None
+    lines = right.split("\n")
+    lines[4] = "d=c+a|c:49+a:07|9+7=16,4+0=04,4+1=05"  # d's header with the wrong operator
+    error = anatomy.first_error("\n".join(lines), forms)
+    assert (error["line"], error["part"]) == (4, "header")
+    assert anatomy.header_defect("d=a*c", "d=c*a", problem) == "none"
+    assert anatomy.header_defect("d=c+a", "d=c*a", problem) == "operator"
+    assert anatomy.header_defect("d=b+a", "d=c*a", problem) == "operator+operands+statement"  # c's statement
+    assert anatomy.header_defect("e=b-c", "e=a-b", problem) == "operands"
+    assert anatomy.header_defect("e=a-", "e=a-b", problem) == "malformed"
