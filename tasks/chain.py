@@ -16,7 +16,8 @@ MIN_INPUTS, MAX_INPUTS = 2, 6
 OPERATORS = ("+", "-", "*")
 
 _INPUT = re.compile(r"^([a-z])=(0|[1-9][0-9]?)$")
-_DERIVED = re.compile(r"^([a-z])=([a-z])([+\-*])([a-z])$")
+# A derived statement ``var=y op z`` (also what a chain of thought's work line opens with).
+DERIVED = re.compile(r"^([a-z])=([a-z])([+\-*])([a-z])$")
 
 
 class ProblemError(ValueError):
@@ -134,7 +135,7 @@ def _parse_statement(statement: str, index: int, earlier: list[Assignment]) -> A
         if earlier and not earlier[-1].is_input:
             raise ProblemError(f"{where}: inputs must come before derived assignments")
         return Assignment(var=match[1], value=int(match[2]))
-    if match := _DERIVED.match(statement):
+    if match := DERIVED.match(statement):
         var, y, op, z = match.groups()
         known = {a.var for a in earlier}
         for operand in (y, z):
