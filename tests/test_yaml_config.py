@@ -32,6 +32,7 @@ def test_the_shipped_8x_long_recipe_is_the_one_hour_recipe_on_long_problems():
 @pytest.mark.parametrize(("files", "message"), [
     ({"a.yaml": "base: b.yaml\nseed: 1\n", "b.yaml": "base: a.yaml\n"}, "'base' chain loops (a.yaml -> b.yaml -> a.yaml)"),
     ({"a.yaml": "base: missing.yaml\n"}, "missing.yaml: file not found (the 'base' of"),
+    ({}, "a.yaml: file not found"),
     ({"a.yaml": "- seed\n"}, "a config is a mapping of settings, not list"),
 ])
 def test_a_bad_chain_is_named(tmp_path, files, message):

@@ -47,8 +47,6 @@ def cmd_train(args, parser) -> int:
     from dms_runtime.base_train import TrainConfig, train
     from dms_runtime.yaml_config import ConfigFileError
 
-    if not args.config.is_file():
-        parser.error(f"argument --config: file not found: {args.config}")
     try:
         config = TrainConfig.from_yaml(args.config)
     except (ValidationError, ConfigFileError) as error:
@@ -64,8 +62,6 @@ def cmd_retrofit(args, parser) -> int:
     from dms_runtime.retrofit import RetrofitConfig, retrofit
     from dms_runtime.yaml_config import ConfigFileError
 
-    if not args.config.is_file():
-        parser.error(f"argument --config: file not found: {args.config}")
     overrides = {
         "model": str(args.model) if args.model else None,
         "output": str(args.output) if args.output else None,
