@@ -43,8 +43,6 @@ class DataConfig(BaseModel):
     k_max: int = Field(22, le=24)
     # Write each + or * line's operands in either order (tasks.cot.render_cot): many valid paths to one answer.
     any_order: bool = False
-    # With any_order, a work line may also write its header operator first (r=*hp for r=h*p).
-    operator_first: bool = False
 
 
 class OptimConfig(BaseModel):
@@ -109,8 +107,7 @@ def build_model(shape: ModelShape, tokenizer) -> Qwen3ForCausalLM:
 def make_batch(config: TrainConfig, tokenizer, step: int) -> tuple[torch.Tensor, torch.Tensor, int]:
     """Step ``step``'s batch: problems of one difficulty (so little padding), prompt tokens masked."""
     batch = difficulty_batch(tokenizer, random.Random(config.seed * 1_000_003 + step), config.data.k_min,
-                             config.data.k_max, config.optim.tokens_per_batch, config.data.any_order,
-                             config.data.operator_first)
+                             config.data.k_max, config.optim.tokens_per_batch, config.data.any_order)
     return batch.input_ids, batch.labels, batch.k
 
 

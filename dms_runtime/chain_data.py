@@ -8,19 +8,16 @@ from dataclasses import dataclass
 import torch
 
 from tasks.chain import generate_problem
-from tasks.cot import OPERATORS, render_cot
+from tasks.cot import render_cot
 from tasks.prompt import format_prompt
 
 IGNORE = -100
 
 
-def encode_example(tokenizer, problem, order_rng: random.Random | None = None,
-                   operator_first: bool = False) -> tuple[list[int], int]:
-    """Token ids of one full example and the length of its prompt part (``order_rng``, ``operator_first``: see
-    ``render_cot``)."""
+def encode_example(tokenizer, problem, order_rng: random.Random | None = None) -> tuple[list[int], int]:
+    """Token ids of one full example and the length of its prompt part (``order_rng``: see ``render_cot``)."""
     prompt = tokenizer(format_prompt(problem.text))["input_ids"]
-    cot = render_cot(problem, order_rng, operator_first)
-    completion = tokenizer(cot, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+    completion = tokenizer(render_cot(problem, order_rng), add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
     return prompt + completion, len(prompt)
 
 
@@ -42,15 +39,15 @@ class Batch:
 
 
 def difficulty_batch(tokenizer, rng: random.Random, k_min: int, k_max: int, tokens: int,
-                     any_order: bool = False, operator_first: bool = False) -> Batch:
+                     any_order: bool = False) -> Batch:
     """About ``tokens`` tokens of problems with one random difficulty k in ``k_min..k_max``; ``any_order``:
-    each line in one of its forms at random (``render_cot``), drawn from a stream of their own."""
+    commutative operands in either order (``render_cot``), drawn from a stream of their own."""
     k = rng.randint(k_min, k_max)
     order_rng = random.Random(str(rng.getstate())) if any_order else None  # seeded by, not drawn from, rng
     examples: list[tuple[list[int], int]] = []
     total = 0
     while total < tokens or not examples:
-        ids, prompt_len = encode_example(tokenizer, generate_problem(rng, k), order_rng, operator_first)
+        ids, prompt_len = encode_example(tokenizer, generate_problem(rng, k), order_rng)
         examples.append((ids, prompt_len))
         total += len(ids)
     width = max(len(ids) for ids, _ in examples)
@@ -74,9 +71,6 @@ REGIONS = ("prompt", "line_var", "header", "header_y", "header_op", "header_z", 
 # Where the values live that are read long after they are written: the problem itself and the register lines.
 # Everything else is scratch, dead a few tokens after it is written.
 LONG_LIVED = ("prompt", "register")
-# The header's characters by position in the line (``r=h*p`` or, operator first, ``r=*hp``).
-HEADER_PARTS = {3: "header_y", 4: "header_op", 5: "header_z"}
-HEADER_OPERATOR_FIRST = {3: "header_op", 4: "header_y", 5: "header_z"}
 
 
 def token_regions(tokenizer, ids: list[int], labels: list[int]) -> list[str]:
@@ -101,8 +95,7 @@ def token_regions(tokenizer, ids: list[int], labels: list[int]) -> list[str]:
         elif line[1] == ":":
             out.append("register")
         else:
-            parts = HEADER_OPERATOR_FIRST if len(line) >= 3 and line[2] in OPERATORS else HEADER_PARTS
-            out.append(parts.get(len(line), "header"))
+            out.append({3: "header_y", 4: "header_op", 5: "header_z"}.get(len(line), "header"))
     return out
 
 

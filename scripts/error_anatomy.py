@@ -28,7 +28,7 @@ from dms_runtime.adapters import adapter_path, load_adapter
 from dms_runtime.loading import SHIPPED_MODEL, load_model
 from policies.extraction import answers_match
 from tasks.chain import DERIVED, Problem, parse_problem
-from tasks.cot import header_statement, line_forms
+from tasks.cot import line_forms
 from tasks.jsonl import read_jsonl
 from tasks.prompt import format_prompt
 from workers.batch_generate import KVPolicy, SamplingParams, generate_threads
@@ -56,11 +56,11 @@ def first_error(text: str, forms: list[list[str]]) -> dict | None:
 def header_defect(got: str, want: str, problem: Problem) -> str:
     """What a wrongly copied header (``r=h*p`` for ``r=h+p``) got wrong: the operator, the operands, both, or the
     variable; ``+statement`` when it is another derived statement of the prompt (either operand order)."""
-    match = DERIVED.match(header_statement(got))
+    match = DERIVED.match(got)
     if match is None:
         return "malformed"
     var, y, op, z = match.groups()
-    want_var, want_y, want_op, want_z = DERIVED.match(header_statement(want)).groups()  # type: ignore[union-attr]
+    want_var, want_y, want_op, want_z = DERIVED.match(want).groups()  # type: ignore[union-attr]
     wrong = [name for name, bad in (("variable", var != want_var), ("operator", op != want_op),
                                     ("operands", {y, z} != {want_y, want_z})) if bad]
     other = any(a.op == op and {a.y, a.z} == {y, z} and a.var != want_var for a in problem.assignments if not a.is_input)

@@ -33,7 +33,6 @@ import random
 from tasks.chain import Assignment, Problem
 
 COMMUTATIVE = ("+", "*")
-OPERATORS = "+-*"
 
 
 def _fact(x: int, op: str, y: int) -> str:
@@ -61,60 +60,38 @@ def _facts(op: str, left: int, right: int) -> list[str]:
     return [_fact(lu, "-", ru), _fact(lt, "-", rt), _fact((lt - rt) % 10, "-", borrow)]
 
 
-def derived_line(a: Assignment, values: dict[str, int], operator_first: bool = False) -> str:
+def derived_line(a: Assignment, values: dict[str, int]) -> str:
     left, right = values[a.y], values[a.z]  # type: ignore[index]
     facts = ",".join(_facts(a.op, left, right))  # type: ignore[arg-type]
-    header = f"{a.var}={a.op}{a.y}{a.z}" if operator_first else f"{a.var}={a.y}{a.op}{a.z}"
-    return f"{header}|{a.y}:{left:02d}{a.op}{a.z}:{right:02d}|{facts}"
+    return f"{a.var}={a.y}{a.op}{a.z}|{a.y}:{left:02d}{a.op}{a.z}:{right:02d}|{facts}"
 
 
-def header_statement(header: str) -> str:
-    """The statement a work line's header copies, in the prompt's form (``r=*hp`` is ``r=h*p``)."""
-    if len(header) == 5 and header[2] in OPERATORS:
-        return f"{header[:2]}{header[3]}{header[2]}{header[4]}"
-    return header
-
-
-def _work_forms(a: Assignment, values: dict[str, int], operator_first: bool) -> list[str]:
-    """The forms of one work line, the canonical one first: the operands in the prompt's order, then (``+`` and
-    ``*`` of two different operands) in the other order; with ``operator_first`` also both headers written
-    operator first (``r=*hp``), which reads the operator right after the statement's own ``r=``."""
-    orders = [a]
-    if a.op in COMMUTATIVE and a.y != a.z:
-        orders.append(dataclasses.replace(a, y=a.z, z=a.y))
-    headers = (False, True) if operator_first else (False,)
-    return [derived_line(order, values, first) for first in headers for order in orders]
-
-
-def line_forms(problem: Problem, operator_first: bool = True) -> list[list[str]]:
+def line_forms(problem: Problem) -> list[list[str]]:
     """Every valid form of each line of the chain of thought, the canonical one first: a ``+`` or ``*`` line of
-    two different operands may also take them in the other order (``r=p+h|p:22+h:00|...`` for ``r=h+p``), and
-    (``operator_first``) any work line may write its header operator first (``r=+hp|h:00+p:22|...``)."""
+    two different operands may also take them in the other order (``r=p+h|p:22+h:00|...`` for ``r=h+p``)."""
     values = problem.values
     forms = []
     for a in problem.assignments:
         if not a.is_input:
-            forms.append(_work_forms(a, values, operator_first))
+            line = [derived_line(a, values)]
+            if a.op in COMMUTATIVE and a.y != a.z:
+                line.append(derived_line(dataclasses.replace(a, y=a.z, z=a.y), values))
+            forms.append(line)
         forms.append([f"{a.var}:{values[a.var]:02d}"])
     forms.append([f"#{problem.answer}"])
     return forms
 
 
-def render_cot(problem: Problem, order_rng: random.Random | None = None, operator_first: bool = False) -> str:
+def render_cot(problem: Problem, order_rng: random.Random | None = None) -> str:
     """The complete target completion for a problem, ending with ``#<answer>``.
 
-    With ``order_rng``, each line with several forms (``line_forms``) is written in one of them at random: a
-    chain of thought with many valid paths to one answer, so that sampled threads do not all share the greedy
-    thread's weak steps (see ``scripts/error_anatomy.py``). Without ``operator_first`` the forms are the two
-    operand orders, each taken with probability 1/2."""
+    With ``order_rng``, each line with two forms (``line_forms``) is written in either at random: a chain of
+    thought with many valid paths to one answer, so that sampled threads do not all share the greedy thread's
+    weak steps (see ``scripts/error_anatomy.py``)."""
     lines = []
-    for forms in line_forms(problem, operator_first):
-        if len(forms) == 1 or order_rng is None:
-            lines.append(forms[0])
-        elif operator_first:
-            lines.append(forms[order_rng.randrange(len(forms))])
-        else:
-            lines.append(forms[1] if order_rng.random() < 0.5 else forms[0])
+    for forms in line_forms(problem):
+        swap = len(forms) > 1 and order_rng is not None and order_rng.random() < 0.5
+        lines.append(forms[1] if swap else forms[0])
     return "\n".join(lines)
 
 

@@ -81,11 +81,37 @@ def test_paired_gain_script_rescores_votes_and_pairs_problems_by_id(tmp_path):
     assert mismatched.returncode == 2 and "different problems" in mismatched.stderr
 
 
+def load_script(name: str):
+    spec = importlib.util.spec_from_file_location(name, Path(__file__).parent.parent / "scripts" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_header_probe_reads_the_shipped_models_headers_as_sure_and_an_untrained_ones_as_guesses():
+    """``scripts/header_probe.py``: the shipped model copies an easy problem's headers almost surely, on both
+    paths; an untrained model of the same shape guesses them (error far above 0.5)."""
+    import torch
+
+    from dms_runtime.base_train import ModelShape, build_model
+    from dms_runtime.loading import load_model
+
+    probe = load_script("header_probe")
+    model, tokenizer = load_model()
+    problem = parse_problem("a=7;b=42;c=a+b;d=c*a;e=d-b;?e")
+    canonical = probe.header_copy_probabilities(model, tokenizer, problem, "canonical")
+    other = probe.header_copy_probabilities(model, tokenizer, problem, "other_order")
+    assert len(canonical) == 3 and len(other) == 2  # e (-) has one order
+    assert min(canonical + other) > 0.9
+    assert probe.summary(canonical)["mean_error"] < 0.1 and probe.summary(canonical)["lines"] == 3
+    torch.manual_seed(0)
+    untrained = build_model(ModelShape(), tokenizer).eval()
+    assert probe.summary(probe.header_copy_probabilities(untrained, tokenizer, problem, "canonical"))["mean_error"] > 0.5
+
+
 def test_error_anatomy_names_the_first_defect_of_a_thread_and_of_its_header():
     """``scripts/error_anatomy.py``'s classifiers: the first line off every valid path, and what its header got wrong."""
-    spec = importlib.util.spec_from_file_location("error_anatomy", Path(__file__).parent.parent / "scripts" / "error_anatomy.py")
-    anatomy = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(anatomy)
+    anatomy = load_script("error_anatomy")
     problem = parse_problem("a=7;b=42;c=a+b;d=c*a;e=a-b;?e")
     forms = line_forms(problem)
     right = "\n".join(options[-1] for options in forms)  # the other operand order where there is one: still valid
@@ -94,6 +120,9 @@ def test_error_anatomy_names_the_first_defect_of_a_thread_and_of_its_header():
     lines[4] = "d=c+a|c:49+a:07|9+7=16,4+0=04,4+1=05"  # d's header with the wrong operator
     error = anatomy.first_error("\n".join(lines), forms)
     assert (error["line"], error["part"]) == (4, "header")
+    lines[4] = "d=a*c|a:07*c:49|7*9=63,0*9=00,7*4=28,6+0=06,6+8=15"  # the other order, a wrong last fact
+    error = anatomy.first_error("\n".join(lines), forms)
+    assert (error["line"], error["part"]) == (4, "facts") and error["want"].startswith("d=a*c")  # the form it took
     assert anatomy.header_defect("d=a*c", "d=c*a", problem) == "none"
     assert anatomy.header_defect("d=c+a", "d=c*a", problem) == "operator"
     assert anatomy.header_defect("d=b+a", "d=c*a", problem) == "operator+operands+statement"  # c's statement
