@@ -47,3 +47,20 @@ cat runs/dev60_4001.jsonl runs/dev40_4002.jsonl > runs/dev100_of_140.jsonl
 .venv/bin/python scripts/vote_curve.py --plot "$OUT/vote16_curve.png" \
   "T1.0, fresh 200 (1006)=$OUT/threads_vote16_T1.0_hard200_1006.jsonl" "T1.0, seed 1005=$OUT/threads_vote16_T1.0_hard100_1005.jsonl" \
   "T0.8, seed 1005=$OUT/threads_vote16_hard100_1005.jsonl" > "$OUT/vote16_curve.json"
+# Session 20: does the vote gain grow with a better-trained stage 2? The same fine-tune with a cosine over 600 steps,
+# its step-450 snapshot against the shipped 300 steps, on the dev 100 (greedy, header probe, vote@16 at T 1.0).
+mkdir -p runs/anyorder600 "$OUT/anyorder600"
+printf 'base: ../../configs/train_anyorder.yaml\noutput_dir: runs/anyorder600/model\noptim:\n  steps: 600\nexport_at_step: 450\n' \
+  > runs/anyorder600/train.yaml
+.venv/bin/thinkpool train --config runs/anyorder600/train.yaml
+.venv/bin/thinkpool eval --model runs/anyorder600/model --problems runs/dev100_of_140.jsonl --workers 0 --json \
+  --output "$OUT/anyorder600/threads_greedy_dev100_chain-qwen3-anyorder600-step450.jsonl" > "$OUT/anyorder600/greedy_dev100_step450.json"
+.venv/bin/python scripts/header_probe.py --model runs/anyorder600/model --problems runs/dev100_of_140.jsonl --limit 40 \
+  > "$OUT/anyorder600/header_probe_dev40_step450.json"
+.venv/bin/python scripts/header_probe.py --problems runs/dev100_of_140.jsonl --limit 40 > "$OUT/header_probe_dev40_shipped.json"
+.venv/bin/thinkpool eval --model runs/anyorder600/model --problems runs/dev100_of_140.jsonl --samples 16 --temperature 1.0 \
+  --batch-size 160 --workers 0 --json --output "$OUT/anyorder600/threads_vote16_T1.0_dev100_step450.jsonl" \
+  > "$OUT/anyorder600/vote16_T1.0_dev100_step450.json"
+.venv/bin/python scripts/paired_gain.py --names "vote@16 T1.0" greedy --plot "$OUT/anyorder600/vote16_T1.0_gain_dev100.png" \
+  "450 of 600 steps=$OUT/anyorder600/threads_vote16_T1.0_dev100_step450.jsonl,$OUT/anyorder600/threads_greedy_dev100_chain-qwen3-anyorder600-step450.jsonl" \
+  "shipped (300 steps)=$OUT/threads_vote16_T1.0_dev100.jsonl,$OUT/threads_greedy_dev100.jsonl" > "$OUT/anyorder600/vote16_T1.0_gain_dev100.json"
