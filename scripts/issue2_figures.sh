@@ -64,3 +64,5 @@ printf 'base: ../../configs/train_anyorder.yaml\noutput_dir: runs/anyorder600/mo
 .venv/bin/python scripts/paired_gain.py --names "vote@16 T1.0" greedy --plot "$OUT/anyorder600/vote16_T1.0_gain_dev100.png" \
   "450 of 600 steps=$OUT/anyorder600/threads_vote16_T1.0_dev100_step450.jsonl,$OUT/anyorder600/threads_greedy_dev100_chain-qwen3-anyorder600-step450.jsonl" \
   "shipped (300 steps)=$OUT/threads_vote16_T1.0_dev100.jsonl,$OUT/threads_greedy_dev100.jsonl" > "$OUT/anyorder600/vote16_T1.0_gain_dev100.json"
+.venv/bin/python scripts/error_anatomy.py --problems runs/dev100_of_140.jsonl --model runs/anyorder600/model --samples 16 \
+  --temperature 1.0 > "$OUT/anyorder600/error_anatomy_dev100_step450.json"
