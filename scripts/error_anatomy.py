@@ -8,9 +8,9 @@ Decodes every problem greedily (optionally under a DMS adapter), compares each f
 thought with the reference one line by line, and names the part of the first line that differs: the
 header copied from the prompt (``r=h+p``), the operand values copied from register lines (``h:00+p:22``),
 the single-digit facts, or the register it writes; a wrong header is also classified (``header_defects``:
-its operator, its operands, or both, and whether it is another statement of the prompt). With ``--samples N`` the failed problems are also
-sampled N times (temperature 0.8): how many sampled threads are right, which answers they give, and
-where they first go wrong. Prints one JSON object.
+its operator, its operands, or both, and whether it is another statement of the prompt). With ``--samples N``
+the failed problems are also sampled N times (``--temperature``, 0.8 by default): how many sampled threads are
+right, which answers they give, and where they first go wrong. Prints one JSON object.
 
 Why it matters: majority voting beats greedy only if a failed problem's sampled threads reach the right
 answer more often than any single wrong one; with one valid chain of thought, a thread that takes the
@@ -63,7 +63,8 @@ def header_defect(got: str, want: str, problem: Problem) -> str:
     want_var, want_y, want_op, want_z = DERIVED.match(want).groups()  # type: ignore[union-attr]
     wrong = [name for name, bad in (("variable", var != want_var), ("operator", op != want_op),
                                     ("operands", {y, z} != {want_y, want_z})) if bad]
-    other = any(a.op == op and {a.y, a.z} == {y, z} and a.var != want_var for a in problem.assignments if not a.is_input)
+    other = any(a.op == op and {a.y, a.z} == {y, z} and a.var != want_var
+                for a in problem.assignments if not a.is_input)
     return "+".join(wrong or ["none"]) + ("+statement" if other else "")
 
 
@@ -92,7 +93,8 @@ def main() -> None:
         error = first_error(thread.text, forms[thread.problem_index])
         report["first_error_parts"][error["part"] if error else "none"] += 1
         if error and error["part"] == "header":
-            error["defect"] = header_defect(error["got"].split("|")[0], error["want"].split("|")[0], parsed[thread.problem_index])
+            headers = error["got"].split("|")[0], error["want"].split("|")[0]
+            error["defect"] = header_defect(*headers, parsed[thread.problem_index])
             report["header_defects"][error["defect"]] += 1
         report["failed"].append({"problem": problems[thread.problem_index]["id"], "k": problems[thread.problem_index].get("k"),
                                  "answer": problems[thread.problem_index]["answer"], "greedy": thread.answer,

@@ -49,7 +49,8 @@ def header_copy_probabilities(model, tokenizer, problem: Problem, path: str) -> 
     out = []
     for start, valid in probed:
         first = logp[start + offset - 1]  # the prediction of the char at start
-        right = torch.logsumexp(first[tokenizer.convert_tokens_to_ids(sorted(valid))], 0) - torch.logsumexp(first[letters], 0)
+        valid_ids = tokenizer.convert_tokens_to_ids(sorted(valid))
+        right = torch.logsumexp(first[valid_ids], 0) - torch.logsumexp(first[letters], 0)  # given a variable
         rest = sum(logp[i + offset - 1, ids[i + offset]] for i in (start + 1, start + 2))
         out.append(float((right + rest).exp()))
     return out
@@ -72,7 +73,8 @@ def main() -> None:
     problems = [parse_problem(p["prompt"]) for p in read_jsonl(args.problems)[: args.limit or None]]
     report: dict = {"model": args.model, "problems": len(problems)}
     for path in PATHS:
-        report[path] = summary([p for problem in problems for p in header_copy_probabilities(model, tokenizer, problem, path)])
+        lines = [p for problem in problems for p in header_copy_probabilities(model, tokenizer, problem, path)]
+        report[path] = summary(lines)
     print(json.dumps(report, indent=1))
 
 
