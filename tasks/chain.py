@@ -74,6 +74,15 @@ class Problem:
     def answer(self) -> str:
         return str(self.values[self.query])
 
+    @property
+    def needed(self) -> frozenset[str]:
+        """The variables the answer depends on (the query among them): a mistake anywhere else cannot change it."""
+        needed = {self.query}
+        for a in reversed(self.assignments):
+            if a.var in needed and not a.is_input:
+                needed |= {a.y, a.z}  # type: ignore[arg-type]
+        return frozenset(needed)
+
 
 def apply(op: str, y: int, z: int) -> int:
     """The chain task's arithmetic: results live in 0..99."""

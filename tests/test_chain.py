@@ -115,3 +115,25 @@ def test_any_order_cot_swaps_only_commutative_operands_and_keeps_the_answer():
     for lines in variants:  # registers, the - line, the equal-operand line and the answer never change
         assert [lines[i] for i in (3, 5, 6, 7, 8, 9, 10)] == [plain[i] for i in (3, 5, 6, 7, 8, 9, 10)]
     assert plain[-1] == "#1"
+
+
+@settings(max_examples=200, deadline=None)
+@given(seed=st.integers(0, 10**9), k=st.integers(1, 20))
+def test_only_needed_statements_can_change_the_answer(seed, k):
+    """``Problem.needed`` is what the query reaches through operands (checked by a naive recursive walk), and
+    rewriting any statement outside it leaves the answer as it was."""
+    problem = generate_problem(random.Random(seed), k)
+    statements = {a.var: a for a in problem.assignments}
+
+    def reach(var: str) -> set[str]:
+        a = statements[var]
+        return {var} if a.is_input else {var} | reach(a.y) | reach(a.z)
+
+    assert problem.needed == reach(problem.query)
+    for index, a in enumerate(problem.assignments):
+        if a.is_input or a.var in problem.needed:
+            continue
+        for op in "+-*":
+            texts = problem.text.split(";")
+            texts[index] = f"{a.var}={a.y}{op}{a.z}"
+            assert parse_problem(";".join(texts)).answer == problem.answer

@@ -84,6 +84,7 @@ def test_paired_gain_script_rescores_votes_and_pairs_problems_by_id(tmp_path):
 def load_script(name: str):
     spec = importlib.util.spec_from_file_location(name, Path(__file__).parent.parent / "scripts" / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # dataclasses look their module up there
     spec.loader.exec_module(module)
     return module
 
@@ -107,6 +108,55 @@ def test_header_probe_reads_the_shipped_models_headers_as_sure_and_an_untrained_
     torch.manual_seed(0)
     untrained = build_model(ModelShape(), tokenizer).eval()
     assert probe.summary(probe.header_copy_probabilities(untrained, tokenizer, problem, "canonical"))["mean_error"] > 0.5
+
+
+def test_header_probe_finds_a_header_error_that_the_lines_before_barely_move():
+    """``--histories``: the same line read after random mixes of operand orders keeps nearly the same error
+    (the assumption ``scripts/vote_forecast.py`` rests on); the by-line errors cover every work line."""
+    from dms_runtime.loading import load_model
+
+    probe = load_script("header_probe")
+    model, tokenizer = load_model()
+    problems = [parse_problem("a=7;b=42;c=a+b;d=c*a;e=d*b;f=e+c;g=f*d;?g")]
+    spread = probe.history_spread(model, tokenizer, problems, histories=8)
+    assert spread["lines"] >= 5 and spread["mean_std"] < 0.05
+    assert sum(1 for _ in probe.by_position(model, tokenizer, problems, per=2)) == 3  # 5 work lines, 2 a group
+
+
+def test_vote_forecast_odds_and_votes_follow_from_the_line_model():
+    """``scripts/vote_forecast.py``: a thread is right only if every needed header is; a mistake's answer is
+    shared only by threads making exactly that one mistake; a vote is won by a plurality."""
+    import random
+
+    forecast = load_script("vote_forecast")
+    lines = [forecast.LineOdds(0.5, {"x": 0.5}, True), forecast.LineOdds(0.8, {"y": 0.1}, False)]
+    right, wrong = forecast.answer_odds(lines)
+    assert abs(right - 0.4) < 1e-9 and [round(w, 6) for w in wrong] == [0.4, 0.05]
+    shared = [forecast.LineOdds(0.5, {("operator", 7): 0.3, ("first", "q"): 0.2}, False)]
+    assert [round(w, 6) for w in forecast.answer_odds(shared, unshared="operator")[1]] == [0.2]
+    assert [round(w, 6) for w in forecast.answer_odds(shared, unshared="operands")[1]] == [0.3]
+    assert forecast.answer_odds(shared, unshared="all")[1] == []
+    rng = random.Random(0)
+    assert forecast.vote_wins(1.0, [], 16, 50, rng) == 1.0 and forecast.vote_wins(0.0, [1.0], 16, 50, rng) == 0.0
+    assert forecast.vote_wins(0.3, [], 16, 200, rng) > 0.95  # the wrong threads all disagree
+    assert forecast.vote_wins(0.3, [0.7], 16, 200, rng) < 0.1  # the wrong threads agree
+
+
+def test_vote_forecast_of_the_shipped_model_on_easy_problems_and_of_an_untrained_one():
+    import torch
+
+    from dms_runtime.base_train import ModelShape, build_model
+    from dms_runtime.loading import load_model
+
+    forecast = load_script("vote_forecast")
+    model, tokenizer = load_model()
+    problems = [parse_problem(text) for text in ("a=7;b=42;c=a+b;d=c*a;e=d-b;?e", "a=3;b=9;c=b*a;d=c+c;?d")]
+    sure = forecast.forecast(model, tokenizer, problems, [1.0], samples=8, draws=50)
+    assert sure["greedy"] == 1.0 and sure["by_temperature"]["1.0"]["vote@8"] > 0.95
+    torch.manual_seed(0)
+    untrained = build_model(ModelShape(), tokenizer).eval()
+    guess = forecast.forecast(untrained, tokenizer, problems, [1.0], samples=8, draws=50)
+    assert guess["greedy"] == 0.0 and guess["by_temperature"]["1.0"]["one_thread"] < 0.05
 
 
 def test_error_anatomy_names_the_first_defect_of_a_thread_and_of_its_header():
