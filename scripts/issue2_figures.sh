@@ -66,3 +66,30 @@ printf 'base: ../../configs/train_anyorder.yaml\noutput_dir: runs/anyorder600/mo
   "shipped (300 steps)=$OUT/threads_vote16_T1.0_dev100.jsonl,$OUT/threads_greedy_dev100.jsonl" > "$OUT/anyorder600/vote16_T1.0_gain_dev100.json"
 .venv/bin/python scripts/error_anatomy.py --problems runs/dev100_of_140.jsonl --model runs/anyorder600/model --samples 16 \
   --temperature 1.0 > "$OUT/anyorder600/error_anatomy_dev100_step450.json"
+# Session 21: the vote forecast (scripts/vote_forecast.py) and what caps the gain; the one vote measured to check it (T 0.5).
+F="$OUT/forecast"; mkdir -p "$F"
+.venv/bin/python scripts/header_probe.py --problems runs/dev100_of_140.jsonl --limit 40 --histories 12 > "$F/header_probe_dev40_histories12.json"
+.venv/bin/thinkpool eval --problems runs/dev100_of_140.jsonl --samples 16 --temperature 0.5 --batch-size 160 --workers 0 \
+  --json --output "$F/threads_vote16_T0.5_dev100.jsonl" > "$F/vote16_T0.5_dev100.json"
+.venv/bin/python scripts/paired_gain.py --names "vote@16 T0.5" greedy \
+  "dev 100=$F/threads_vote16_T0.5_dev100.jsonl,$OUT/threads_greedy_dev100.jsonl" > "$F/vote16_T0.5_gain_dev100.json"
+.venv/bin/python scripts/vote_forecast.py --problems runs/dev100_of_140.jsonl --temperatures 0.5,0.7,0.8,1.0,1.2 \
+  --plot "$F/forecast_shipped_dev100.png" --measured 0.5=0.67 1.0=0.72 > "$F/forecast_shipped_dev100.json"
+.venv/bin/python scripts/vote_forecast.py --problems runs/hard200_1006.jsonl --temperatures 0.8,1.0 \
+  --plot "$F/forecast_shipped_hard200_1006.png" --measured 1.0=0.715 > "$F/forecast_shipped_hard200_1006.json"
+for u in all operator operands; do
+  .venv/bin/python scripts/vote_forecast.py --problems runs/dev100_of_140.jsonl --temperatures 1.0 --unshared $u \
+    > "$F/forecast_shipped_dev100_unshared_$u.json"
+done
+.venv/bin/python scripts/vote_forecast.py --problems runs/dev100_of_140.jsonl --model runs/anyorder600/model \
+  --temperatures 1.0 > "$F/forecast_step450_dev100.json"
+.venv/bin/python scripts/vote_forecast.py --problems runs/dev100_of_140.jsonl --model checkpoints/chain-qwen3-onepath \
+  --temperatures 1.0 > "$F/forecast_onepath_dev100.json"
+for s in 150 300; do  # the same cosine-over-600 stage 2, stopped earlier
+  printf 'base: ../../configs/train_anyorder.yaml\noutput_dir: runs/anyorder600/step%s\noptim:\n  steps: 600\nexport_at_step: %s\n' \
+    $s $s > runs/anyorder600/train_step$s.yaml
+  .venv/bin/thinkpool train --config runs/anyorder600/train_step$s.yaml
+  .venv/bin/python scripts/vote_forecast.py --problems runs/dev100_of_140.jsonl --model runs/anyorder600/step$s \
+    --temperatures 1.0 > "$F/forecast_step${s}of600_dev100.json"
+done
+.venv/bin/python docs/results/forecast/operator_read_whatif.py runs/dev100_of_140.jsonl | grep boost > "$F/operator_read_whatif_dev100.jsonl"

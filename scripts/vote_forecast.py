@@ -37,6 +37,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from header_probe import HeaderRead, read_headers  # noqa: E402
 
 from dms_runtime.loading import SHIPPED_MODEL, load_model  # noqa: E402
+from orchestrator.plots import plot_vote_forecast  # noqa: E402
 from tasks.chain import Problem, parse_problem  # noqa: E402
 from tasks.jsonl import read_jsonl  # noqa: E402
 
@@ -147,11 +148,17 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--unshared", choices=("none", "operator", "operands", "all"), default="none",
                         help="what-if: count this kind of mistake as an answer no other thread shares")
+    parser.add_argument("--plot", type=Path, help="draw the forecast by temperature (PNG)")
+    parser.add_argument("--measured", nargs="*", default=[], metavar="T=ACCURACY",
+                        help="measured vote accuracies to draw beside the forecast, e.g. 1.0=0.72")
     args = parser.parse_args()
     model, tokenizer = load_model(args.model)
     problems = [parse_problem(p["prompt"]) for p in read_jsonl(args.problems)[: args.limit or None]]
     temperatures = [float(t) for t in args.temperatures.split(",")]
     report = forecast(model, tokenizer, problems, temperatures, args.samples, args.draws, args.seed, args.unshared)
+    if args.plot:
+        measured = {float(t): float(a) for t, a in (item.split("=") for item in args.measured)}
+        plot_vote_forecast(report, args.plot, measured, title=f"{Path(args.model).name} on {args.problems.name}")
     print(json.dumps({"model": args.model, **report}, indent=1))
 
 
