@@ -2,6 +2,7 @@
 
     .venv/bin/python scripts/vote_forecast.py --problems runs/dev100_of_140.jsonl
     .venv/bin/python scripts/vote_forecast.py --problems FILE --model runs/candidate --temperatures 0.8,1.0
+    .venv/bin/python scripts/vote_forecast.py --problems FILE --unshared operator   # what shared operator mistakes cost
 
 A vote of 16 threads on 100 hard problems takes half an hour here; this takes a minute or two and has landed
 within about a point of the measured vote (``docs/foundation.md``). The model of a thread behind it, each part
