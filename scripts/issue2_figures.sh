@@ -93,3 +93,17 @@ for s in 150 300; do  # the same cosine-over-600 stage 2, stopped earlier
     --temperatures 1.0 > "$F/forecast_step${s}of600_dev100.json"
 done
 .venv/bin/python docs/results/forecast/operator_read_whatif.py runs/dev100_of_140.jsonl | grep boost > "$F/operator_read_whatif_dev100.jsonl"
+# A prospective check: a fresh draw forecast first (the forecast was committed before the vote was run), then measured.
+.venv/bin/thinkpool generate --n 100 --k 16-20 --seed 1007 --output runs/hard100_1007.jsonl
+.venv/bin/python scripts/vote_forecast.py --problems runs/hard100_1007.jsonl --temperatures 1.0,0.8 > "$F/forecast_shipped_hard100_1007.json"
+.venv/bin/thinkpool eval --problems runs/hard100_1007.jsonl --workers 0 --json --output "$F/threads_greedy_hard100_1007.jsonl" \
+  > "$F/greedy_hard100_1007.json"
+.venv/bin/thinkpool eval --problems runs/hard100_1007.jsonl --samples 16 --temperature 1.0 --batch-size 160 --workers 0 --json \
+  --output "$F/threads_vote16_T1.0_hard100_1007.jsonl" > "$F/vote16_T1.0_hard100_1007.json"
+# Pooled over the four draws voted at temperature 1.0 (500 distinct problems).
+.venv/bin/python scripts/paired_gain.py --names "vote@16 T1.0" greedy --plot "$F/vote16_T1.0_gain_4draws.png" \
+  "seed 1005=$OUT/threads_vote16_T1.0_hard100_1005.jsonl,$OUT/threads_greedy_hard100_1005.jsonl" \
+  "dev 100=$OUT/threads_vote16_T1.0_dev100.jsonl,$OUT/threads_greedy_dev100.jsonl" \
+  "fresh 200 (1006)=$OUT/threads_vote16_T1.0_hard200_1006.jsonl,$OUT/threads_greedy_hard200_1006.jsonl" \
+  "fresh 100 (1007)=$F/threads_vote16_T1.0_hard100_1007.jsonl,$F/threads_greedy_hard100_1007.jsonl" \
+  > "$F/vote16_T1.0_gain_4draws.json"
