@@ -113,6 +113,12 @@ def vote_wins(right: float, wrong: list[float], samples: int, draws: int, rng: r
     return wins / draws
 
 
+def needed_reads(model, tokenizer, problem: Problem) -> list[dict[bool, HeaderRead]]:
+    """Each needed work line read along the canonical path (False) and the other operand order (True)."""
+    canonical, other = (read_headers(model, tokenizer, problem, path) for path in ("canonical", "other_order"))
+    return [{False: c, True: o} for c, o in zip(canonical, other) if c.var in problem.needed]
+
+
 def forecast(model, tokenizer, problems: list[Problem], temperatures: list[float], samples: int = 16,
              draws: int = 400, seed: int = 0, unshared: str = "none") -> dict:
     letters = tokenizer.convert_tokens_to_ids(list(string.ascii_lowercase))
@@ -120,11 +126,7 @@ def forecast(model, tokenizer, problems: list[Problem], temperatures: list[float
     rng = random.Random(seed)
     greedy, thread, vote = 0, dict.fromkeys(temperatures, 0.0), dict.fromkeys(temperatures, 0.0)
     for problem in problems:
-        passes = {other: read_headers(model, tokenizer, problem, "other_order" if other else "canonical")
-                  for other in (False, True)}
-        needed = problem.needed
-        lines = [{False: canonical, True: other} for canonical, other in zip(passes[False], passes[True])
-                 if canonical.var in needed]
+        lines = needed_reads(model, tokenizer, problem)
         for temperature in temperatures:
             odds = [line_odds(line, letters, minus, temperature) for line in lines]
             right, wrong = answer_odds(odds, unshared)

@@ -3,7 +3,6 @@ import sys, random, string, json
 import torch
 sys.path.insert(0, "scripts")
 import vote_forecast as vf
-from header_probe import read_headers
 from dms_runtime.loading import SHIPPED_MODEL, load_model
 from tasks.chain import parse_problem
 from tasks.jsonl import read_jsonl
@@ -14,12 +13,10 @@ for boost in (0.0, 2.0, 4.0, 8.0):
     rng = random.Random(0); g = v = t = 0.0
     for r in rows:
         p = parse_problem(r["prompt"])
-        passes = {o: read_headers(model, tok, p, "other_order" if o else "canonical") for o in (False, True)}
         lines = []
-        for c, o in zip(passes[False], passes[True]):
-            if c.var not in p.needed: continue
+        for reads in vf.needed_reads(model, tok, p):
             d = {}
-            for key, read in ((False, c), (True, o)):
+            for key, read in reads.items():
                 op = read.operator.clone(); op[read.want[1]] += boost  # a surer operator read
                 d[key] = vf.HeaderRead(**{**read.__dict__, "operator": torch.log_softmax(op, -1)})
             lines.append(d)
