@@ -43,6 +43,8 @@ class DataConfig(BaseModel):
     k_max: int = Field(22, le=24)
     # Write each + or * line's operands in either order (tasks.cot.render_cot): many valid paths to one answer.
     any_order: bool = False
+    # With any_order, - lines too: read from the right as k=j~b for k=b-j (tasks.cot.reversed_line).
+    reversed_minus: bool = False
 
 
 class OptimConfig(BaseModel):
@@ -104,10 +106,21 @@ def build_model(shape: ModelShape, tokenizer) -> Qwen3ForCausalLM:
     return Qwen3ForCausalLM(config)
 
 
+def grow_vocabulary(weights: dict[str, torch.Tensor], model: Qwen3ForCausalLM) -> None:
+    """Let a fine-tune start from a checkpoint whose tokenizer had fewer characters: its embedding rows are kept,
+    the new characters' rows keep ``model``'s fresh initialization."""
+    for name in ("model.embed_tokens.weight", "lm_head.weight"):
+        if name in weights and weights[name].shape[0] < model.state_dict()[name].shape[0]:
+            grown = model.state_dict()[name].clone()
+            grown[: weights[name].shape[0]] = weights[name]
+            weights[name] = grown
+
+
 def make_batch(config: TrainConfig, tokenizer, step: int) -> tuple[torch.Tensor, torch.Tensor, int]:
     """Step ``step``'s batch: problems of one difficulty (so little padding), prompt tokens masked."""
     batch = difficulty_batch(tokenizer, random.Random(config.seed * 1_000_003 + step), config.data.k_min,
-                             config.data.k_max, config.optim.tokens_per_batch, config.data.any_order)
+                             config.data.k_max, config.optim.tokens_per_batch, config.data.any_order,
+                             config.data.reversed_minus)
     return batch.input_ids, batch.labels, batch.k
 
 
@@ -126,11 +139,13 @@ def train(config: TrainConfig, steps: int | None = None, quiet: bool = False) ->
     out = Path(config.output_dir)
     out.mkdir(parents=True, exist_ok=True)
     state_path = out / "train_state.pt"
-    tokenizer = build_tokenizer()
+    tokenizer = build_tokenizer(config.data.reversed_minus)
     device = "cuda" if config.device == "auto" and torch.cuda.is_available() else ("cpu" if config.device == "auto" else config.device)
     model = build_model(config.model, tokenizer).to(device)
     if config.init_from:
-        model.load_state_dict(Qwen3ForCausalLM.from_pretrained(config.init_from, dtype=torch.float32).state_dict())
+        start_weights = Qwen3ForCausalLM.from_pretrained(config.init_from, dtype=torch.float32).state_dict()
+        grow_vocabulary(start_weights, model)
+        model.load_state_dict(start_weights)
     decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
     no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
     optimizer = torch.optim.AdamW(
@@ -172,6 +187,7 @@ def train(config: TrainConfig, steps: int | None = None, quiet: bool = False) ->
         if config.snapshot_every and (step + 1) % config.snapshot_every == 0:
             torch.save({"model": model.state_dict(), "step": step + 1}, out / f"snapshot-{step + 1}.pt")
     if end == final:
+        model.config.reversed_minus = config.data.reversed_minus  # the chain of thought's forms, for tools
         export(model, tokenizer, out)
     return out
 

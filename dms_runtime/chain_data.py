@@ -14,10 +14,13 @@ from tasks.prompt import format_prompt
 IGNORE = -100
 
 
-def encode_example(tokenizer, problem, order_rng: random.Random | None = None) -> tuple[list[int], int]:
-    """Token ids of one full example and the length of its prompt part (``order_rng``: see ``render_cot``)."""
+def encode_example(tokenizer, problem, order_rng: random.Random | None = None, reversed_minus: bool = False
+                   ) -> tuple[list[int], int]:
+    """Token ids of one full example and the length of its prompt part (``order_rng``, ``reversed_minus``: see
+    ``render_cot``)."""
     prompt = tokenizer(format_prompt(problem.text))["input_ids"]
-    completion = tokenizer(render_cot(problem, order_rng), add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+    completion = tokenizer(render_cot(problem, order_rng, reversed_minus), add_special_tokens=False)["input_ids"]
+    completion += [tokenizer.eos_token_id]
     return prompt + completion, len(prompt)
 
 
@@ -39,15 +42,16 @@ class Batch:
 
 
 def difficulty_batch(tokenizer, rng: random.Random, k_min: int, k_max: int, tokens: int,
-                     any_order: bool = False) -> Batch:
+                     any_order: bool = False, reversed_minus: bool = False) -> Batch:
     """About ``tokens`` tokens of problems with one random difficulty k in ``k_min..k_max``; ``any_order``:
-    commutative operands in either order (``render_cot``), drawn from a stream of their own."""
+    every line in any of its forms (``render_cot``; ``-`` lines too with ``reversed_minus``), drawn from a
+    stream of their own."""
     k = rng.randint(k_min, k_max)
     order_rng = random.Random(str(rng.getstate())) if any_order else None  # seeded by, not drawn from, rng
     examples: list[tuple[list[int], int]] = []
     total = 0
     while total < tokens or not examples:
-        ids, prompt_len = encode_example(tokenizer, generate_problem(rng, k), order_rng)
+        ids, prompt_len = encode_example(tokenizer, generate_problem(rng, k), order_rng, reversed_minus)
         examples.append((ids, prompt_len))
         total += len(ids)
     width = max(len(ids) for ids, _ in examples)

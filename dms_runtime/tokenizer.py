@@ -11,6 +11,8 @@ import string
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors
 from transformers import PreTrainedTokenizerFast
 
+from tasks.cot import REVERSED_MINUS
+
 PAD, BOS, EOS = "<pad>", "<bos>", "<eos>"
 SPECIAL_TOKENS = [PAD, BOS, EOS]
 # "|" (the chain of thought's section separator) has id 3. Problem texts are validated before they are
@@ -18,8 +20,12 @@ SPECIAL_TOKENS = [PAD, BOS, EOS]
 CHARACTERS = ["|"] + list(string.digits + string.ascii_lowercase + "=;?+-*:,#\n ")
 
 
-def build_tokenizer() -> PreTrainedTokenizerFast:
-    vocab = {token: index for index, token in enumerate(SPECIAL_TOKENS + CHARACTERS)}
+def build_tokenizer(reversed_minus: bool = False) -> PreTrainedTokenizerFast:
+    """The tokenizer of a model trained from now; ``reversed_minus`` adds the one character that only models
+    writing reversed ``-`` lines need (``tasks.cot.reversed_line``), so that every other model keeps the
+    vocabulary, and the initialization, it was trained with."""
+    characters = CHARACTERS + ([REVERSED_MINUS] if reversed_minus else [])
+    vocab = {token: index for index, token in enumerate(SPECIAL_TOKENS + characters)}
     core = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
     core.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
     core.decoder = decoders.Fuse()

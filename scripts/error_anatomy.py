@@ -28,7 +28,7 @@ from dms_runtime.adapters import adapter_path, load_adapter
 from dms_runtime.loading import SHIPPED_MODEL, load_model
 from policies.extraction import answers_match
 from tasks.chain import DERIVED, Problem, parse_problem
-from tasks.cot import line_forms
+from tasks.cot import COMMUTATIVE, line_forms, statement_of, writes_reversed_minus
 from tasks.jsonl import read_jsonl
 from tasks.prompt import format_prompt
 from workers.batch_generate import KVPolicy, SamplingParams, generate_threads
@@ -53,17 +53,22 @@ def first_error(text: str, forms: list[list[str]]) -> dict | None:
     return None
 
 
+def same_operands(op: str, got: tuple[str, str], want: tuple[str, str]) -> bool:
+    """Whether two operand pairs name the same operation under ``op``: in either order for ``+`` and ``*``."""
+    return got == want or (op in COMMUTATIVE and set(got) == set(want))
+
+
 def header_defect(got: str, want: str, problem: Problem) -> str:
     """What a wrongly copied header (``r=h*p`` for ``r=h+p``) got wrong: the operator, the operands, both, or the
     variable; ``+statement`` when it is another derived statement of the prompt (either operand order)."""
-    match = DERIVED.match(got)
+    match = DERIVED.match(statement_of(got))
     if match is None:
         return "malformed"
     var, y, op, z = match.groups()
-    want_var, want_y, want_op, want_z = DERIVED.match(want).groups()  # type: ignore[union-attr]
+    want_var, want_y, want_op, want_z = DERIVED.match(statement_of(want)).groups()  # type: ignore[union-attr]
     wrong = [name for name, bad in (("variable", var != want_var), ("operator", op != want_op),
-                                    ("operands", {y, z} != {want_y, want_z})) if bad]
-    other = any(a.op == op and {a.y, a.z} == {y, z} and a.var != want_var
+                                    ("operands", not same_operands(op, (y, z), (want_y, want_z)))) if bad]
+    other = any(a.op == op and same_operands(op, (a.y, a.z), (y, z)) and a.var != want_var
                 for a in problem.assignments if not a.is_input)
     return "+".join(wrong or ["none"]) + ("+statement" if other else "")
 
@@ -84,7 +89,7 @@ def main() -> None:
     kv = KVPolicy(dms=load_adapter(model, adapter_path(args.model, args.cr))) if args.cr > 1 else None
     prompts = [format_prompt(p["prompt"]) for p in problems]
     parsed = [parse_problem(p["prompt"]) for p in problems]
-    forms = [line_forms(problem) for problem in parsed]
+    forms = [line_forms(problem, writes_reversed_minus(model)) for problem in parsed]
     greedy = generate_threads(model, tokenizer, prompts, 1, SamplingParams(temperature=0), progress=False, kv=kv)
     failed = [t for t in greedy.threads if not answers_match(t.answer, problems[t.problem_index]["answer"])]
     report: dict = {"n": len(problems), "greedy_accuracy": 1 - len(failed) / max(1, len(problems)),

@@ -29,7 +29,7 @@ import torch
 
 from dms_runtime.loading import SHIPPED_MODEL, load_model
 from tasks.chain import Problem, parse_problem
-from tasks.cot import line_forms
+from tasks.cot import line_forms, writes_reversed_minus
 from tasks.jsonl import read_jsonl
 from tasks.prompt import format_prompt
 
@@ -59,7 +59,7 @@ def read_headers(model, tokenizer, problem: Problem, path: str, order_rng: rando
     its canonical form, or every line that has a second operand order in that one; with ``order_rng``, each
     such line in either order at random (a random history)."""
     prompt, lines, starts = format_prompt(problem.text), [], []
-    for index, forms in enumerate(line_forms(problem)):
+    for index, forms in enumerate(line_forms(problem, writes_reversed_minus(model))):
         other = len(forms) > 1 and (order_rng.random() < 0.5 if order_rng else path == "other_order")
         line = forms[1] if other else forms[0]
         if "|" in line:

@@ -40,6 +40,7 @@ from header_probe import HeaderRead, read_headers  # noqa: E402
 from dms_runtime.loading import SHIPPED_MODEL, load_model  # noqa: E402
 from orchestrator.plots import plot_vote_forecast  # noqa: E402
 from tasks.chain import Problem, parse_problem  # noqa: E402
+from tasks.cot import REVERSED_MINUS  # noqa: E402
 from tasks.jsonl import read_jsonl  # noqa: E402
 
 ALTERNATIVES = 4  # wrong tokens kept per prediction; rarer ones count as mistakes no other thread shares
@@ -55,8 +56,10 @@ class LineOdds:
     greedy_right: bool
 
 
-def line_odds(reads: dict[bool, HeaderRead], letters: list[int], minus: int, temperature: float) -> LineOdds:
-    """``reads``: the line read along the canonical path (False) and, if it has one, the other order (True)."""
+def line_odds(reads: dict[bool, HeaderRead], letters: list[int], subtract: dict[int, bool], temperature: float
+              ) -> LineOdds:
+    """``reads``: the line read along the canonical path (False) and, if it has one, the other order (True).
+    ``subtract``: the subtraction tokens, each with whether it takes the right operand from the left (``~``)."""
     canonical = reads[False]
     first = torch.softmax(canonical.first[letters] / temperature, dim=-1)
     orders = [False, True] if canonical.two_orders else [False]
@@ -75,7 +78,8 @@ def line_odds(reads: dict[bool, HeaderRead], letters: list[int], minus: int, tem
         _, want_operator, want_second = read.want
         for token in operator.topk(ALTERNATIVES).indices.tolist():
             if token != want_operator:
-                key = (other, "operator", token) if token == minus else ("operator", token)
+                # a wrong + or * gives one value in either order; a wrong subtraction's value depends on its side
+                key = ("operator", "-", other != subtract[token]) if token in subtract else ("operator", token)
                 mistakes[key] = mistakes.get(key, 0.0) + p_first * float(operator[token])
         for token in second.topk(ALTERNATIVES).indices.tolist():
             if token != want_second:
@@ -122,13 +126,15 @@ def needed_reads(model, tokenizer, problem: Problem) -> list[dict[bool, HeaderRe
 def forecast(model, tokenizer, problems: list[Problem], temperatures: list[float], samples: int = 16,
              draws: int = 400, seed: int = 0, unshared: str = "none") -> dict:
     letters = tokenizer.convert_tokens_to_ids(list(string.ascii_lowercase))
-    minus = tokenizer.convert_tokens_to_ids("-")
+    subtract = {tokenizer.convert_tokens_to_ids("-"): False}
+    if REVERSED_MINUS in tokenizer.get_vocab():
+        subtract[tokenizer.convert_tokens_to_ids(REVERSED_MINUS)] = True
     rng = random.Random(seed)
     greedy, thread, vote = 0, dict.fromkeys(temperatures, 0.0), dict.fromkeys(temperatures, 0.0)
     for problem in problems:
         lines = needed_reads(model, tokenizer, problem)
         for temperature in temperatures:
-            odds = [line_odds(line, letters, minus, temperature) for line in lines]
+            odds = [line_odds(line, letters, subtract, temperature) for line in lines]
             right, wrong = answer_odds(odds, unshared)
             thread[temperature] += right
             vote[temperature] += vote_wins(right, wrong, samples, draws, rng)

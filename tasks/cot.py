@@ -33,6 +33,7 @@ import random
 from tasks.chain import Assignment, Problem
 
 COMMUTATIVE = ("+", "*")
+REVERSED_MINUS = "~"  # ``j~b`` is ``b-j``: a ``-`` read from the right (``reversed_line``)
 
 
 def _fact(x: int, op: str, y: int) -> str:
@@ -66,36 +67,63 @@ def derived_line(a: Assignment, values: dict[str, int]) -> str:
     return f"{a.var}={a.y}{a.op}{a.z}|{a.y}:{left:02d}{a.op}{a.z}:{right:02d}|{facts}"
 
 
-def line_forms(problem: Problem) -> list[list[str]]:
-    """Every valid form of each line of the chain of thought, the canonical one first: a ``+`` or ``*`` line of
-    two different operands may also take them in the other order (``r=p+h|p:22+h:00|...`` for ``r=h+p``)."""
+def reversed_line(a: Assignment, values: dict[str, int]) -> str:
+    """The work line that reads ``a``'s operands from the right: ``r=p+h`` for ``r=h+p`` (its facts take them in
+    that order too) and, for a ``-``, ``r=p~h`` for ``r=h-p`` (``~``: the right operand minus the left; its facts
+    compute ``h-p`` as the canonical line's do)."""
+    if a.op in COMMUTATIVE:
+        return derived_line(dataclasses.replace(a, y=a.z, z=a.y), values)
+    left, right = values[a.y], values[a.z]  # type: ignore[index]
+    facts = ",".join(_facts("-", left, right))
+    return f"{a.var}={a.z}{REVERSED_MINUS}{a.y}|{a.z}:{right:02d}{REVERSED_MINUS}{a.y}:{left:02d}|{facts}"
+
+
+def statement_of(header: str) -> str:
+    """The prompt statement a work line's header reads: ``r=h-p`` for ``r=p~h``; any other header as it is."""
+    var, _, rest = header.partition("=")
+    if REVERSED_MINUS not in rest:
+        return header
+    right, left = rest.split(REVERSED_MINUS, 1)
+    return f"{var}={left}-{right}"
+
+
+def writes_reversed_minus(model) -> bool:
+    """Whether ``model`` was trained to read ``-`` lines from the right too (``thinkpool train`` records it in the
+    checkpoint's config); the forms a tool expects of a model's threads depend on it."""
+    return bool(getattr(model.config, "reversed_minus", False))
+
+
+def line_forms(problem: Problem, reversed_minus: bool = True) -> list[list[str]]:
+    """Every valid form of each line of the chain of thought, the canonical one first: a line of two different
+    operands may also read them from the right (``reversed_line``); ``reversed_minus=False`` leaves ``-`` lines
+    their canonical form only (the chain of thought of models trained before that form existed)."""
     values = problem.values
     forms = []
     for a in problem.assignments:
         if not a.is_input:
             line = [derived_line(a, values)]
-            if a.op in COMMUTATIVE and a.y != a.z:
-                line.append(derived_line(dataclasses.replace(a, y=a.z, z=a.y), values))
+            if a.y != a.z and (a.op in COMMUTATIVE or reversed_minus):
+                line.append(reversed_line(a, values))
             forms.append(line)
         forms.append([f"{a.var}:{values[a.var]:02d}"])
     forms.append([f"#{problem.answer}"])
     return forms
 
 
-def render_cot(problem: Problem, order_rng: random.Random | None = None) -> str:
+def render_cot(problem: Problem, order_rng: random.Random | None = None, reversed_minus: bool = False) -> str:
     """The complete target completion for a problem, ending with ``#<answer>``.
 
     With ``order_rng``, each line with two forms (``line_forms``) is written in either at random: a chain of
     thought with many valid paths to one answer, so that sampled threads do not all share the greedy thread's
-    weak steps (see ``scripts/error_anatomy.py``)."""
+    weak steps (see ``scripts/error_anatomy.py``). ``reversed_minus``: ``-`` lines have two forms too."""
     lines = []
-    for forms in line_forms(problem):
+    for forms in line_forms(problem, reversed_minus):
         swap = len(forms) > 1 and order_rng is not None and order_rng.random() < 0.5
         lines.append(forms[1] if swap else forms[0])
     return "\n".join(lines)
 
 
 def is_valid_cot(text: str, problem: Problem) -> bool:
-    """Whether ``text`` is one of the problem's valid chains of thought (any operand order of ``+`` and ``*``)."""
+    """Whether ``text`` is one of the problem's valid chains of thought (any line in any of its forms)."""
     lines, forms = text.split("\n"), line_forms(problem)
     return len(lines) == len(forms) and all(line in options for line, options in zip(lines, forms))

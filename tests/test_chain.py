@@ -7,7 +7,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tasks.chain import ProblemError, apply, generate_problem, generate_suite, parse_problem, solve
-from tasks.cot import render_cot
+from tasks.chain import Assignment
+from tasks.cot import derived_line, is_valid_cot, render_cot, statement_of
 
 
 def independent_solve(text: str) -> int:
@@ -37,17 +38,21 @@ def test_generated_problems_follow_the_format(seed, k):
 
 
 @settings(max_examples=300, deadline=None)
-@given(seed=st.integers(0, 10**9), k=st.integers(1, 24), any_order=st.booleans())
-def test_cot_facts_compute_every_register(seed, k, any_order):
+@given(seed=st.integers(0, 10**9), k=st.integers(1, 24), any_order=st.booleans(), reversed_minus=st.booleans())
+def test_cot_facts_compute_every_register(seed, k, any_order, reversed_minus):
     problem = generate_problem(random.Random(seed), k)
-    lines = render_cot(problem, random.Random(seed + 1) if any_order else None).split("\n")
+    lines = render_cot(problem, random.Random(seed + 1) if any_order else None, reversed_minus).split("\n")
     values = problem.values
     assert lines[-1] == f"#{problem.answer}"
+    assert is_valid_cot("\n".join(lines), problem)
     for index, line in enumerate(lines[:-1]):
         if "|" in line:
             header, operands, work = line.split("|")
             y, op, z = header[2], header[3], header[4]
             assert operands == f"{y}:{values[y]:02d}{op}{z}:{values[z]:02d}"
+            if op == "~":  # z - y: its facts are those of the canonical z-y line
+                assert reversed_minus and line.split("|")[2] == derived_line(Assignment(header[0], y=z, op="-", z=y),
+                                                                              values).split("|")[2]
             facts = work.split(",")
             for fact in facts:
                 x, op, y, result = fact[0], fact[1], fact[2], fact[4:]
@@ -115,6 +120,21 @@ def test_any_order_cot_swaps_only_commutative_operands_and_keeps_the_answer():
     for lines in variants:  # registers, the - line, the equal-operand line and the answer never change
         assert [lines[i] for i in (3, 5, 6, 7, 8, 9, 10)] == [plain[i] for i in (3, 5, 6, 7, 8, 9, 10)]
     assert plain[-1] == "#1"
+
+
+def test_reversed_minus_reads_a_subtraction_from_the_right_with_the_same_facts():
+    """``reversed_minus``: a ``-`` line of two different operands may be written ``e=b~d`` for ``e=d-b``; its facts
+    still compute d-b, so its register is the canonical line's. Both forms are valid chains of thought."""
+    problem = parse_problem("a=7;b=42;c=a+b;d=c*a;e=d-b;f=c-c;?f")
+    variants = {text for text in (render_cot(problem, random.Random(seed), reversed_minus=True) for seed in range(40))}
+    e_lines = {text.split("\n")[6] for text in variants}
+    assert e_lines == {"e=d-b|d:43-b:42|3-2=01,4-4=00,0-0=00", "e=b~d|b:42~d:43|3-2=01,4-4=00,0-0=00"}
+    assert {text.split("\n")[8] for text in variants} == {"f=c-c|c:49-c:49|9-9=00,4-4=00,0-0=00"}  # equal operands
+    assert all(is_valid_cot(text, problem) for text in variants)
+    assert not any("~" in render_cot(problem, random.Random(seed)) for seed in range(40))  # off by default
+    reversed_text = next(text for text in variants if "e=b~d" in text)
+    assert not is_valid_cot(reversed_text.replace("e=b~d|b:42~d:43", "e=b-d|b:42-d:43"), problem)  # b-d: not e
+    assert (statement_of("e=b~d"), statement_of("c=b+a")) == ("e=d-b", "c=b+a")  # the statement a header reads
 
 
 @settings(max_examples=200, deadline=None)

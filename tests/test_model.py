@@ -6,7 +6,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from dms_runtime.loading import SHIPPED_MODEL, kv_geometry
 from tasks.chain import generate_problem, generate_suite
-from tasks.cot import is_valid_cot
+from tasks.cot import REVERSED_MINUS, is_valid_cot, writes_reversed_minus
 from tasks.prompt import format_prompt
 from workers.batch_generate import SamplingParams, generate_threads
 
@@ -76,3 +76,21 @@ def test_the_shipped_model_samples_several_valid_chains_of_thought(shipped):
     texts = {t.text for t in result.threads}
     assert sum(t.answer == problem.answer for t in result.threads) >= 6
     assert sum(is_valid_cot(text, problem) for text in texts) >= 2  # at least two different valid paths
+
+
+def test_the_reversed_minus_candidate_reads_a_subtraction_either_way():
+    """``checkpoints/chain-qwen3-reversed-minus`` (configs/train_reversed_minus.yaml): its config records the extra
+    form, its tokenizer holds ``~``, and its sampled threads take both forms of a ``-`` line, validly."""
+    path = SHIPPED_MODEL.parent / "chain-qwen3-reversed-minus"
+    tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+    model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True)
+    assert writes_reversed_minus(model) and not writes_reversed_minus(AutoModelForCausalLM.from_pretrained(SHIPPED_MODEL))
+    assert tokenizer.convert_tokens_to_ids(REVERSED_MINUS) == len(tokenizer) - 1
+    rng = random.Random(11)
+    problem = next(p for p in (generate_problem(rng, 6) for _ in range(100))
+                   if any(a.op == "-" and a.y != a.z for a in p.assignments))
+    result = generate_threads(model, tokenizer, [format_prompt(problem.text)], 8,
+                              SamplingParams(temperature=1.0, max_new_tokens=600, seed=3), progress=False)
+    assert sum(t.answer == problem.answer for t in result.threads) >= 6
+    reversed_threads = [t.text for t in result.threads if REVERSED_MINUS in t.text]
+    assert 0 < len(reversed_threads) < 8 and any(is_valid_cot(text, problem) for text in reversed_threads)

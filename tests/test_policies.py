@@ -182,3 +182,5 @@ def test_error_anatomy_names_the_first_defect_of_a_thread_and_of_its_header():
     assert anatomy.header_defect("d=b+a", "d=c*a", problem) == "operator+operands+statement"  # c's statement
     assert anatomy.header_defect("e=b-c", "e=a-b", problem) == "operands"
     assert anatomy.header_defect("e=a-", "e=a-b", problem) == "malformed"
+    assert anatomy.header_defect("e=b~a", "e=a-b", problem) == "none"  # the same subtraction, read from the right
+    assert anatomy.header_defect("e=b-a", "e=a-b", problem) == "operands"  # a - cannot swap its operands

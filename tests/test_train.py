@@ -60,6 +60,25 @@ def test_any_order_batches_hold_the_same_problems_in_other_words():
     assert not torch.equal(plain.input_ids, varied.input_ids)  # written along other paths
 
 
+def test_a_fine_tune_grows_an_older_checkpoints_vocabulary_and_records_its_forms(tmp_path):
+    """The one-path model predates the ``~`` character: a fine-tune from it keeps its 51 embedding rows, adds the
+    new one, and its export says it writes reversed ``-`` lines (``tasks.cot.writes_reversed_minus``)."""
+    from dms_runtime.loading import REPO_ROOT
+    from tasks.cot import writes_reversed_minus
+
+    base_dir = REPO_ROOT / "checkpoints" / "chain-qwen3-onepath"
+    base, _ = load_model(base_dir)
+    config = TrainConfig(output_dir=str(tmp_path / "tuned"), init_from=str(base_dir),
+                         data={"k_min": 1, "k_max": 2, "any_order": True, "reversed_minus": True},
+                         optim=OptimConfig(steps=1, tokens_per_batch=200, warmup_steps=0, lr=1e-9), checkpoint_every=1)
+    train(config, quiet=True)
+    tuned, tokenizer = load_model(tmp_path / "tuned")
+    old, new = base.get_input_embeddings().weight, tuned.get_input_embeddings().weight
+    assert old.shape[0] == 51 and new.shape[0] == len(tokenizer) == 52
+    torch.testing.assert_close(new[:51], old, atol=2e-3, rtol=0)
+    assert writes_reversed_minus(tuned) and not writes_reversed_minus(base)
+
+
 def test_init_from_must_name_a_checkpoint(tmp_path):
     with pytest.raises(ValidationError, match="no checkpoint at"):
         tiny_config(tmp_path / "run", init_from=str(tmp_path / "missing"))
