@@ -107,3 +107,37 @@ done
   "fresh 200 (1006)=$OUT/threads_vote16_T1.0_hard200_1006.jsonl,$OUT/threads_greedy_hard200_1006.jsonl" \
   "fresh 100 (1007)=$F/threads_vote16_T1.0_hard100_1007.jsonl,$F/threads_greedy_hard100_1007.jsonl" \
   > "$F/vote16_T1.0_gain_4draws.json"
+# Sessions 22-23: the reversed-minus candidate (configs/train_reversed_minus.yaml, 40 minutes) against the shipped
+# model on a fresh draw, forecast first (committed before either vote), then greedy on 200 and the vote on 100.
+R=docs/results/reversed_minus
+RM=checkpoints/chain-qwen3-reversed-minus
+mkdir -p "$R"
+.venv/bin/thinkpool generate --n 200 --k 16-20 --seed 1008 --output runs/hard200_1008.jsonl
+head -100 runs/hard200_1008.jsonl > runs/hard100_1008.jsonl
+for m in rm shipped; do
+  model=$([ $m = rm ] && echo $RM || echo checkpoints/chain-qwen3)
+  .venv/bin/python scripts/vote_forecast.py --problems runs/hard100_1008.jsonl --model $model --temperatures 0.8,1.0 \
+    > "$R/forecast_${m}_fresh100_1008.json"
+  .venv/bin/thinkpool eval --problems runs/hard200_1008.jsonl --model $model --batch-size 200 --workers 0 --json \
+    --output "$R/threads_greedy_${m}_hard200_1008.jsonl" > "$R/greedy_${m}_hard200_1008.json"
+  head -100 "$R/threads_greedy_${m}_hard200_1008.jsonl" > "runs/greedy_${m}_hard100_1008.jsonl"
+  .venv/bin/thinkpool eval --problems runs/hard100_1008.jsonl --model $model --samples 16 --temperature 1.0 \
+    --batch-size 160 --workers 0 --json --output "$R/threads_vote16_T1.0_${m}_hard100_1008.jsonl" \
+    > "$R/vote16_T1.0_${m}_hard100_1008.json"
+  .venv/bin/python scripts/header_probe.py --problems runs/dev100_of_140.jsonl --limit 40 --model $model \
+    > "$R/header_probe_${m}_dev40.json"
+done
+.venv/bin/python scripts/vote_forecast.py --problems runs/dev100_of_140.jsonl --model $RM --temperatures 0.8,1.0 \
+  > "$R/forecast_rm_dev100.json"
+.venv/bin/python scripts/paired_gain.py --names "reversed minus" shipped --plot "$R/vote16_T1.0_rm_vs_shipped.png" \
+  "greedy, fresh 100 (1008)=runs/greedy_rm_hard100_1008.jsonl,runs/greedy_shipped_hard100_1008.jsonl" \
+  "vote@16, fresh 100 (1008)=$R/threads_vote16_T1.0_rm_hard100_1008.jsonl,$R/threads_vote16_T1.0_shipped_hard100_1008.jsonl" \
+  > "$R/vote16_T1.0_rm_vs_shipped.json"
+# The shipped model's vote gain pooled over the five draws voted at temperature 1.0 (600 distinct problems).
+.venv/bin/python scripts/paired_gain.py --names "vote@16 T1.0" greedy --plot "$F/vote16_T1.0_gain_5draws.png" \
+  "seed 1005=$OUT/threads_vote16_T1.0_hard100_1005.jsonl,$OUT/threads_greedy_hard100_1005.jsonl" \
+  "dev 100=$OUT/threads_vote16_T1.0_dev100.jsonl,$OUT/threads_greedy_dev100.jsonl" \
+  "fresh 200 (1006)=$OUT/threads_vote16_T1.0_hard200_1006.jsonl,$OUT/threads_greedy_hard200_1006.jsonl" \
+  "fresh 100 (1007)=$F/threads_vote16_T1.0_hard100_1007.jsonl,$F/threads_greedy_hard100_1007.jsonl" \
+  "fresh 100 (1008)=$R/threads_vote16_T1.0_shipped_hard100_1008.jsonl,runs/greedy_shipped_hard100_1008.jsonl" \
+  > "$F/vote16_T1.0_gain_5draws.json"
