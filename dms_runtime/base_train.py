@@ -109,9 +109,10 @@ def build_model(shape: ModelShape, tokenizer) -> Qwen3ForCausalLM:
 def grow_vocabulary(weights: dict[str, torch.Tensor], model: Qwen3ForCausalLM) -> None:
     """Let a fine-tune start from a checkpoint whose tokenizer had fewer characters: its embedding rows are kept,
     the new characters' rows keep ``model``'s fresh initialization."""
+    fresh = model.state_dict()
     for name in ("model.embed_tokens.weight", "lm_head.weight"):
-        if name in weights and weights[name].shape[0] < model.state_dict()[name].shape[0]:
-            grown = model.state_dict()[name].clone()
+        if name in weights and weights[name].shape[0] < fresh[name].shape[0]:
+            grown = fresh[name].clone()
             grown[: weights[name].shape[0]] = weights[name]
             weights[name] = grown
 

@@ -52,6 +52,7 @@ from dms_runtime.gates import build_gates
 from dms_runtime.labels import RoleLabels, eligible_mask, far_attention_labels, left_window_mask, sampled_quantile
 from dms_runtime.loading import load_model
 from dms_runtime.precision import autocast
+from dms_runtime.tokenizer import writes_reversed_minus_lines
 from dms_runtime.yaml_config import load_yaml_config
 
 
@@ -73,7 +74,6 @@ class RetrofitConfig(BaseModel):
     # The chain of thought the base model was trained on: with any_order (configs/train_anyorder.yaml) every
     # commutative line takes its operands in either order, and the distillation data must do the same.
     any_order: bool = False
-    reversed_minus: bool = False  # the same for - lines (tasks.cot.reversed_line), for bases trained with it
     lr: float = Field(3e-4, gt=0)  # gates
     finetune_lr: float = Field(1e-4, gt=0)  # base weights, with full_finetune
     # The last lr_decay_steps steps take both learning rates linearly down to zero (constant before): at a
@@ -162,10 +162,11 @@ def resolve_device(device: str) -> str:
 
 def chain_batch(config: RetrofitConfig, tokenizer, offset: int, k_min: int | None = None,
                 k_max: int | None = None) -> Batch:
-    """The batch of seed ``offset`` (each use of batches has its own stream), drawn as the base model was trained."""
+    """The batch of seed ``offset`` (each use of batches has its own stream), drawn as the base model was trained
+    (``-`` lines in both forms when its tokenizer says it writes them so)."""
     return difficulty_batch(tokenizer, random.Random(config.seed * 1_000_003 + offset), k_min or config.k_min,
                             k_max or config.k_max, config.tokens_per_batch, config.any_order,
-                            config.reversed_minus)
+                            writes_reversed_minus_lines(tokenizer))
 
 
 def target_ratio(step: int, final: float, config: RetrofitConfig) -> float:

@@ -20,6 +20,12 @@ SPECIAL_TOKENS = [PAD, BOS, EOS]
 CHARACTERS = ["|"] + list(string.digits + string.ascii_lowercase + "=;?+-*:,#\n ")
 
 
+def writes_reversed_minus_lines(tokenizer) -> bool:
+    """Whether a checkpoint's model writes reversed ``-`` lines: its tokenizer holds ``~`` exactly then
+    (``build_tokenizer``), so batches drawn for it (a DMS retrofit) and forecasts of it follow from the tokenizer."""
+    return REVERSED_MINUS in tokenizer.get_vocab()
+
+
 def build_tokenizer(reversed_minus: bool = False) -> PreTrainedTokenizerFast:
     """The tokenizer of a model trained from now; ``reversed_minus`` adds the one character that only models
     writing reversed ``-`` lines need (``tasks.cot.reversed_line``), so that every other model keeps the

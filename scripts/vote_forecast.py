@@ -38,6 +38,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from header_probe import HeaderRead, read_headers  # noqa: E402
 
 from dms_runtime.loading import SHIPPED_MODEL, load_model  # noqa: E402
+from dms_runtime.tokenizer import writes_reversed_minus_lines  # noqa: E402
 from orchestrator.plots import plot_vote_forecast  # noqa: E402
 from tasks.chain import Problem, parse_problem  # noqa: E402
 from tasks.cot import REVERSED_MINUS  # noqa: E402
@@ -127,7 +128,7 @@ def forecast(model, tokenizer, problems: list[Problem], temperatures: list[float
              draws: int = 400, seed: int = 0, unshared: str = "none") -> dict:
     letters = tokenizer.convert_tokens_to_ids(list(string.ascii_lowercase))
     subtract = {tokenizer.convert_tokens_to_ids("-"): False}
-    if REVERSED_MINUS in tokenizer.get_vocab():
+    if writes_reversed_minus_lines(tokenizer):
         subtract[tokenizer.convert_tokens_to_ids(REVERSED_MINUS)] = True
     rng = random.Random(seed)
     greedy, thread, vote = 0, dict.fromkeys(temperatures, 0.0), dict.fromkeys(temperatures, 0.0)

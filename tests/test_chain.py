@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 
 from tasks.chain import ProblemError, apply, generate_problem, generate_suite, parse_problem, solve
 from tasks.chain import Assignment
-from tasks.cot import derived_line, is_valid_cot, render_cot, statement_of
+from tasks.cot import REVERSED_MINUS, derived_line, is_valid_cot, render_cot, statement_of
 
 
 def independent_solve(text: str) -> int:
@@ -50,9 +50,9 @@ def test_cot_facts_compute_every_register(seed, k, any_order, reversed_minus):
             header, operands, work = line.split("|")
             y, op, z = header[2], header[3], header[4]
             assert operands == f"{y}:{values[y]:02d}{op}{z}:{values[z]:02d}"
-            if op == "~":  # z - y: its facts are those of the canonical z-y line
-                assert reversed_minus and line.split("|")[2] == derived_line(Assignment(header[0], y=z, op="-", z=y),
-                                                                              values).split("|")[2]
+            if op == REVERSED_MINUS:  # z - y: its facts are those of the canonical z-y line
+                assert reversed_minus and work == derived_line(Assignment(header[0], y=z, op="-", z=y),
+                                                               values).split("|")[2]
             facts = work.split(",")
             for fact in facts:
                 x, op, y, result = fact[0], fact[1], fact[2], fact[4:]

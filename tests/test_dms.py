@@ -92,6 +92,19 @@ def test_schedule_ramps_every_ratio_linearly_then_holds():
     assert config.total_steps == 15
 
 
+def test_retrofit_batches_write_minus_lines_as_the_base_model_was_trained():
+    """A retrofit distils on the base model's own chain of thought: ``-`` lines read from the right only for a base
+    whose tokenizer holds ``~`` (``configs/train_reversed_minus.yaml``), never for the shipped model's."""
+    from dms_runtime.retrofit import chain_batch
+    from dms_runtime.tokenizer import build_tokenizer
+
+    config = RetrofitConfig(any_order=True, k_min=12, k_max=12, tokens_per_batch=4000)
+    for reversed_minus in (False, True):
+        tokenizer = build_tokenizer(reversed_minus)
+        texts = tokenizer.batch_decode(chain_batch(config, tokenizer, 0).input_ids, skip_special_tokens=True)
+        assert any("~" in text for text in texts) == reversed_minus
+
+
 def test_learning_rates_hold_then_decay_linearly_to_zero_over_the_last_steps():
     from dms_runtime.retrofit import lr_scale
 
