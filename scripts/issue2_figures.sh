@@ -141,3 +141,9 @@ done
   "fresh 100 (1007)=$F/threads_vote16_T1.0_hard100_1007.jsonl,$F/threads_greedy_hard100_1007.jsonl" \
   "fresh 100 (1008)=$R/threads_vote16_T1.0_shipped_hard100_1008.jsonl,runs/greedy_shipped_hard100_1008.jsonl" \
   > "$F/vote16_T1.0_gain_5draws.json"
+# Session 24: equivalent rewrites of the dev 100 (operands of + and * swapped at random), greedy on each.
+W="$OUT/rewrites"; mkdir -p "$W"
+.venv/bin/python scripts/rewrite_probe.py write --problems runs/dev100_of_140.jsonl --rewrites 8 --output runs/dev100_x8.jsonl
+.venv/bin/thinkpool eval --problems runs/dev100_x8.jsonl --batch-size 160 --workers 0 --json \
+  --output "$W/threads_greedy_dev100_x8.jsonl" > /dev/null
+.venv/bin/python scripts/rewrite_probe.py score "$W/threads_greedy_dev100_x8.jsonl" > "$W/rewrite_probe_dev100_x8.json"

@@ -81,6 +81,39 @@ def test_paired_gain_script_rescores_votes_and_pairs_problems_by_id(tmp_path):
     assert mismatched.returncode == 2 and "different problems" in mismatched.stderr
 
 
+def test_rewrite_probe_writes_equivalent_problems_and_scores_their_greedy_threads(tmp_path):
+    """``scripts/rewrite_probe.py``: every rewrite is the same problem (answer, statements up to operand order,
+    `-` untouched) in another text; the scorer groups rewrites by problem and votes over the first n."""
+    problems = tmp_path / "problems.jsonl"
+    problems.write_text(json.dumps({"id": "p", "prompt": "a=7;b=42;c=a+b;d=c*a;e=d-b;f=e*c;g=b+f;?g", "answer": "0"}) + "\n")
+    rewrites = tmp_path / "rw.jsonl"
+    subprocess.run([sys.executable, "scripts/rewrite_probe.py", "write", "--problems", str(problems), "--rewrites", "8",
+                    "--output", str(rewrites)], check=True, timeout=120)
+    rows = [json.loads(line) for line in rewrites.read_text().splitlines()]
+    original = parse_problem("a=7;b=42;c=a+b;d=c*a;e=d-b;f=e*c;g=b+f;?g")
+    assert [r["id"] for r in rows] == [f"p~{i}" for i in range(8)] and rows[0]["prompt"] == original.text
+    texts = set()
+    for row in rows:
+        problem = parse_problem(row["prompt"])
+        texts.add(problem.text)
+        assert row["answer"] == problem.answer == original.answer
+        for a, b in zip(problem.assignments, original.assignments):
+            assert (a.var, a.op, a.value) == (b.var, b.op, b.value)
+            assert (a.y, a.z) == (b.y, b.z) or (a.op in "+*" and (a.y, a.z) == (b.z, b.y))
+    assert len(texts) > 1  # four commutative statements: eight draws do not all keep the text
+    threads = tmp_path / "greedy.jsonl"
+    answers = [original.answer, "5", "5", original.answer, original.answer, "5", "7", "8"]
+    threads.write_text("".join(json.dumps({"id": f"p~{i}", "expected": original.answer, "answer": a,
+                                           "correct": a == original.answer, "threads": [{"mean_logprob": -0.1}]}) + "\n"
+                               for i, a in enumerate(answers)))
+    report = json.loads(subprocess.run([sys.executable, "scripts/rewrite_probe.py", "score", str(threads)], check=True,
+                                       capture_output=True, text=True, timeout=120).stdout)
+    assert report["problems_by_right_rewrites"]["3"] == 1 and report["original_failures"] == 0
+    assert report["vote_over_first_n_rewrites"]["3"] == 0.0  # 5 holds two of three
+    assert report["vote_over_first_n_rewrites"]["8"] == 1.0  # a 3-3 tie of equal confidence: the first to appear
+    assert report["accuracy_by_rewrite"] == [1.0, 0, 0, 1.0, 1.0, 0, 0, 0]
+
+
 def load_script(name: str):
     spec = importlib.util.spec_from_file_location(name, Path(__file__).parent.parent / "scripts" / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
