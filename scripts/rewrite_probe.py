@@ -9,7 +9,8 @@ problem with the same answer, drawn from the same distribution the generator dra
 to copy headers from (other lookalike statements, other operand orders). Rewrite 0 is the original. If greedy's
 failures were accidents of the text, the rewrites of a failed problem would mostly be right and a vote over them
 would beat greedy by far; if the problem's structure sets them, the rewrites fail alike. Prints one JSON object:
-accuracy per rewrite, how many problems each count of right rewrites has, and a vote over the first n rewrites.
+accuracy per rewrite, how many problems each count of right rewrites has, and a vote over the first n rewrites'
+threads. With ``--samples N --temperature T`` on the eval, each rewrite's N sampled threads join the vote.
 """
 
 from __future__ import annotations
@@ -47,7 +48,8 @@ def write(problems: Path, rewrites: int, output: Path, seed: int) -> None:
 
 
 def score(threads: Path) -> dict:
-    """``threads``: an ``eval --output`` file of rewrites; one greedy thread (record) per rewrite."""
+    """``threads``: an ``eval --output`` file of rewrites (greedy: one thread a rewrite; or N sampled threads each).
+    A rewrite counts as right when its own vote is; the vote over the first n rewrites pools their threads."""
     by_problem: dict[str, dict[int, dict]] = collections.defaultdict(dict)
     for record in read_jsonl(threads):
         problem_id, index = record["id"].rsplit("~", 1)
@@ -60,14 +62,17 @@ def score(threads: Path) -> dict:
     for size in range(1, rewrites + 1):
         wins = 0
         for group in by_problem.values():
-            picked = [group[i] for i in range(size)]  # ties to the more confident answer, as the eval's vote
-            vote = majority_vote([r["answer"] for r in picked], [r["threads"][0]["mean_logprob"] for r in picked])
+            pooled = [t for i in range(size) for t in group[i]["threads"]]  # ties to the more confident, as the eval
+            vote = majority_vote([t["answer"] for t in pooled], [t["mean_logprob"] for t in pooled])
             wins += answers_match(vote.answer, group[0]["expected"])
         votes[str(size)] = round(wins / n, 4)
     return {
         "problems": n,
         "rewrites": rewrites,
+        "threads_per_rewrite": len(next(iter(by_problem.values()))[0]["threads"]),
         "accuracy_by_rewrite": [round(sum(g[i]["correct"] for g in by_problem.values()) / n, 4) for i in range(rewrites)],
+        "thread_accuracy": round(sum(g[i]["thread_accuracy"] for g in by_problem.values() for i in range(rewrites))
+                                 / (n * rewrites), 4),
         "problems_by_right_rewrites": {str(c): right_counts[c] for c in range(rewrites + 1)},
         "original_failures": len(failed),
         "rewrites_right_where_original_fails": round(

@@ -103,15 +103,16 @@ def test_rewrite_probe_writes_equivalent_problems_and_scores_their_greedy_thread
     assert len(texts) > 1  # four commutative statements: eight draws do not all keep the text
     threads = tmp_path / "greedy.jsonl"
     answers = [original.answer, "5", "5", original.answer, original.answer, "5", "7", "8"]
-    threads.write_text("".join(json.dumps({"id": f"p~{i}", "expected": original.answer, "answer": a,
-                                           "correct": a == original.answer, "threads": [{"mean_logprob": -0.1}]}) + "\n"
+    threads.write_text("".join(json.dumps({"id": f"p~{i}", "expected": original.answer, "answer": a, "correct": a == original.answer,
+                                           "thread_accuracy": float(a == original.answer),
+                                           "threads": [{"answer": a, "mean_logprob": -0.1}]}) + "\n"
                                for i, a in enumerate(answers)))
     report = json.loads(subprocess.run([sys.executable, "scripts/rewrite_probe.py", "score", str(threads)], check=True,
                                        capture_output=True, text=True, timeout=120).stdout)
     assert report["problems_by_right_rewrites"]["3"] == 1 and report["original_failures"] == 0
     assert report["vote_over_first_n_rewrites"]["3"] == 0.0  # 5 holds two of three
     assert report["vote_over_first_n_rewrites"]["8"] == 1.0  # a 3-3 tie of equal confidence: the first to appear
-    assert report["accuracy_by_rewrite"] == [1.0, 0, 0, 1.0, 1.0, 0, 0, 0]
+    assert report["accuracy_by_rewrite"] == [1.0, 0, 0, 1.0, 1.0, 0, 0, 0] and report["thread_accuracy"] == 0.375
 
 
 def load_script(name: str):
