@@ -147,3 +147,7 @@ W="$OUT/rewrites"; mkdir -p "$W"
 .venv/bin/thinkpool eval --problems runs/dev100_x8.jsonl --batch-size 160 --workers 0 --json \
   --output "$W/threads_greedy_dev100_x8.jsonl" > /dev/null
 .venv/bin/python scripts/rewrite_probe.py score "$W/threads_greedy_dev100_x8.jsonl" > "$W/rewrite_probe_dev100_x8.json"
+# The same rewrites, two threads each sampled at T 1.0: a vote of 16 threads spread over 8 texts.
+.venv/bin/thinkpool eval --problems runs/dev100_x8.jsonl --samples 2 --temperature 1.0 --batch-size 160 --workers 0 --json \
+  --output "$W/threads_T1.0_2x_dev100_x8.jsonl" > /dev/null
+.venv/bin/python scripts/rewrite_probe.py score "$W/threads_T1.0_2x_dev100_x8.jsonl" > "$W/rewrite_probe_T1.0_2x_dev100_x8.json"
