@@ -151,3 +151,10 @@ W="$OUT/rewrites"; mkdir -p "$W"
 .venv/bin/thinkpool eval --problems runs/dev100_x8.jsonl --samples 2 --temperature 1.0 --batch-size 160 --workers 0 --json \
   --output "$W/threads_T1.0_2x_dev100_x8.jsonl" > /dev/null
 .venv/bin/python scripts/rewrite_probe.py score "$W/threads_T1.0_2x_dev100_x8.jsonl" > "$W/rewrite_probe_T1.0_2x_dev100_x8.json"
+# Session 24: the candidate's vote on the dev 100, and its gain pooled with the fresh 100 of seed 1008.
+.venv/bin/thinkpool eval --problems runs/dev100_of_140.jsonl --model $RM --samples 16 --temperature 1.0 --batch-size 160 \
+  --workers 0 --json --output "$R/threads_vote16_T1.0_rm_dev100.jsonl" > "$R/vote16_T1.0_rm_dev100.json"
+.venv/bin/python scripts/paired_gain.py --names "vote@16 T1.0" greedy --plot "$R/vote16_T1.0_rm_gain_2draws.png" \
+  "dev 100=$R/threads_vote16_T1.0_rm_dev100.jsonl,$R/threads_greedy_rm_dev100.jsonl" \
+  "fresh 100 (1008)=$R/threads_vote16_T1.0_rm_hard100_1008.jsonl,runs/greedy_rm_hard100_1008.jsonl" \
+  > "$R/vote16_T1.0_rm_gain_2draws.json"
