@@ -23,9 +23,9 @@ from dataclasses import replace
 from pathlib import Path
 
 from policies.extraction import answers_match
-from policies.voting import majority_vote
 from tasks.chain import Problem, parse_problem
 from tasks.jsonl import read_jsonl, write_jsonl
+from vote_curve import kept_threads, read_records, vote  # this folder's script: the eval's vote over kept threads
 
 
 def commuted(problem: Problem, rng: random.Random) -> Problem:
@@ -51,7 +51,7 @@ def score(threads: Path) -> dict:
     """``threads``: an ``eval --output`` file of rewrites (greedy: one thread a rewrite; or N sampled threads each).
     A rewrite counts as right when its own vote is; the vote over the first n rewrites pools their threads."""
     by_problem: dict[str, dict[int, dict]] = collections.defaultdict(dict)
-    for record in read_jsonl(threads):
+    for record in read_records(threads):
         problem_id, index = record["id"].rsplit("~", 1)
         by_problem[problem_id][int(index)] = record
     rewrites = min(len(group) for group in by_problem.values())
@@ -62,9 +62,8 @@ def score(threads: Path) -> dict:
     for size in range(1, rewrites + 1):
         wins = 0
         for group in by_problem.values():
-            pooled = [t for i in range(size) for t in group[i]["threads"]]  # ties to the more confident, as the eval
-            vote = majority_vote([t["answer"] for t in pooled], [t["mean_logprob"] for t in pooled])
-            wins += answers_match(vote.answer, group[0]["expected"])
+            pooled = [thread for i in range(size) for thread in kept_threads(group[i])]
+            wins += answers_match(vote(pooled).answer, group[0]["expected"])
         votes[str(size)] = round(wins / n, 4)
     return {
         "problems": n,
@@ -89,7 +88,7 @@ def main() -> None:
     make.add_argument("--rewrites", type=int, default=8)
     make.add_argument("--output", required=True, type=Path)
     make.add_argument("--seed", type=int, default=7)
-    scorer = commands.add_parser("score", help="score greedy threads of the rewrites")
+    scorer = commands.add_parser("score", help="score the kept threads (greedy or sampled) of the rewrites")
     scorer.add_argument("threads", type=Path)
     args = parser.parse_args()
     if args.command == "write":
