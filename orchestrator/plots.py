@@ -10,13 +10,14 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 
-def _finish(figure, axes, title: str, path: str | Path) -> Path:
-    """The parts every accuracy plot shares: axis range, grid, title, legend; saved as PNG."""
+def _finish(figure, axes, title: str, path: str | Path, **legend) -> Path:
+    """The parts every accuracy plot shares: axis range, grid, title, legend (``legend``: where, if not "best");
+    saved as PNG."""
     axes.set_ylabel("accuracy (%)")
     axes.set_ylim(0, 102)
     axes.grid(alpha=0.3)
     axes.set_title(title)
-    axes.legend()
+    axes.legend(**legend)
     figure.tight_layout()
     figure.savefig(path, dpi=110)
     plt.close(figure)
@@ -112,7 +113,8 @@ def plot_paired_gain(report: dict, path: str | Path, title: str = "paired accura
         axes.annotate(f"{100 * g['gain']:+.1f}\n[{100 * low:+.1f}, {100 * high:+.1f}]", (x, 100 * max(g["a"], g["b"]) + 2),
                       ha="center", fontsize=8)
     axes.set_xticks(list(xs), [f"{g['label']}\n({g['n']})" for g in groups])
-    return _finish(figure, axes, title, path)
+    # The gains sit above the bars, where "best" would put the legend; the bars' feet hide nothing.
+    return _finish(figure, axes, title, path, loc="lower center", ncol=2, framealpha=0.95)
 
 
 def plot_vote_forecast(report: dict, path: str | Path, measured: dict[float, float] | None = None,

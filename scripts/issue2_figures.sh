@@ -158,3 +158,20 @@ W="$OUT/rewrites"; mkdir -p "$W"
   "dev 100=$R/threads_vote16_T1.0_rm_dev100.jsonl,$R/threads_greedy_rm_dev100.jsonl" \
   "fresh 100 (1008)=$R/threads_vote16_T1.0_rm_hard100_1008.jsonl,runs/greedy_rm_hard100_1008.jsonl" \
   > "$R/vote16_T1.0_rm_gain_2draws.json"
+# Session 25: the candidate on two more fresh 100s (forecasts committed before the runs), and its gain over all four draws.
+for s in 1009 1010; do
+  .venv/bin/thinkpool generate --n 100 --k 16-20 --seed $s --output runs/hard100_$s.jsonl
+  .venv/bin/python scripts/vote_forecast.py --problems runs/hard100_$s.jsonl --model $RM --temperatures 0.8,1.0 \
+    > "$R/forecast_rm_fresh100_$s.json"
+  .venv/bin/thinkpool eval --problems runs/hard100_$s.jsonl --model $RM --batch-size 200 --workers 0 --json \
+    --output "$R/threads_greedy_rm_hard100_$s.jsonl" > "$R/greedy_rm_hard100_$s.json"
+  .venv/bin/thinkpool eval --problems runs/hard100_$s.jsonl --model $RM --samples 16 --temperature 1.0 \
+    --batch-size 160 --workers 0 --json --output "$R/threads_vote16_T1.0_rm_hard100_$s.jsonl" \
+    > "$R/vote16_T1.0_rm_hard100_$s.json"
+done
+.venv/bin/python scripts/paired_gain.py --names "vote@16 T1.0" greedy --plot "$R/vote16_T1.0_rm_gain_4draws.png" \
+  "dev 100=$R/threads_vote16_T1.0_rm_dev100.jsonl,$R/threads_greedy_rm_dev100.jsonl" \
+  "fresh 100 (1008)=$R/threads_vote16_T1.0_rm_hard100_1008.jsonl,runs/greedy_rm_hard100_1008.jsonl" \
+  "fresh 100 (1009)=$R/threads_vote16_T1.0_rm_hard100_1009.jsonl,$R/threads_greedy_rm_hard100_1009.jsonl" \
+  "fresh 100 (1010)=$R/threads_vote16_T1.0_rm_hard100_1010.jsonl,$R/threads_greedy_rm_hard100_1010.jsonl" \
+  > "$R/vote16_T1.0_rm_gain_4draws.json"
