@@ -175,8 +175,7 @@ done
   "fresh 100 (1009)=$R/threads_vote16_T1.0_rm_hard100_1009.jsonl,$R/threads_greedy_rm_hard100_1009.jsonl" \
   "fresh 100 (1010)=$R/threads_vote16_T1.0_rm_hard100_1010.jsonl,$R/threads_greedy_rm_hard100_1010.jsonl" \
   > "$R/vote16_T1.0_rm_gain_4draws.json"
-# The candidate's greedy on easy problems: the shipped model's easy set (seed 998) and a fresh one.
-.venv/bin/thinkpool generate --n 60 --k 1-6 --seed 998 --output runs/easy60_998.jsonl
+# The candidate's greedy on easy problems: the shipped model's easy set (seed 998, written at the top) and a fresh one.
 .venv/bin/thinkpool generate --n 100 --k 1-6 --seed 1011 --output runs/easy100_1011.jsonl
 for f in easy60_998 easy100_1011; do
   .venv/bin/thinkpool eval --problems runs/$f.jsonl --model $RM --batch-size 100 --workers 0 --json \
