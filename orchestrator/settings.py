@@ -18,7 +18,7 @@ DEFAULT_PROFILE = REPO_ROOT / "configs" / "calibration_chain.json"
 
 class SamplingSettings(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    temperature: float = Field(0.8, gt=0, le=5)
+    temperature: float = Field(1.0, gt=0, le=5)
     top_p: float = Field(1.0, gt=0, le=1)
     max_new_tokens: int = Field(1536, ge=1, le=8192)
 

@@ -27,7 +27,7 @@ from dms_runtime.attach import attach_dms
 from dms_runtime.chain_data import REGIONS, difficulty_batch
 from dms_runtime.chain_data import token_regions as regions
 from dms_runtime.config import DMSConfig
-from dms_runtime.loading import SHIPPED_MODEL, load_model
+from dms_runtime.loading import default_model_path, load_model
 
 
 def main() -> None:
@@ -42,7 +42,7 @@ def main() -> None:
     parser.add_argument("--output", required=True)
     args = parser.parse_args()
     torch.manual_seed(args.seed)
-    model, tokenizer = load_model(str(SHIPPED_MODEL))
+    model, tokenizer = load_model(str(default_model_path()))
     model.float().train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
     rng = random.Random(args.seed)

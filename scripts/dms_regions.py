@@ -35,7 +35,7 @@ from dms_runtime.adapters import adapter_path, load_gates
 from dms_runtime.attach import DMSHandle, attach_dms
 from dms_runtime.chain_data import IGNORE, REGIONS, Batch, difficulty_batch, token_regions
 from dms_runtime.config import DMSConfig
-from dms_runtime.loading import SHIPPED_MODEL, load_model
+from dms_runtime.loading import default_model_path, load_model
 from dms_runtime.retrofit import left_window_mask
 
 
@@ -120,7 +120,7 @@ def main() -> None:
     parser.add_argument("--model", help="with --keep: the weights that run under the policy (default: the base model)")
     parser.add_argument("--heads", type=int, nargs="+", help="with --keep: the KV heads (of every layer) that keep the "
                         "regions; the others keep only the window (default: all)")
-    parser.add_argument("--base", default=str(SHIPPED_MODEL), help="the vanilla model every setting is compared with")
+    parser.add_argument("--base", default=str(default_model_path()), help="the vanilla model every setting is compared with")
     parser.add_argument("--k", type=difficulties, nargs="+", default=[[18]], help="difficulties or ranges, e.g. 8 18 or 16-20")
     parser.add_argument("--one-path", action="store_true", help="reference chains in the one-path order (the stage-1 model's)")
     parser.add_argument("--tokens", type=int, default=4000, help="tokens per difficulty")

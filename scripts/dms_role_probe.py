@@ -19,7 +19,7 @@ import random
 import torch
 
 from dms_runtime.chain_data import difficulty_batch, long_lived_mask
-from dms_runtime.loading import SHIPPED_MODEL, load_model
+from dms_runtime.loading import default_model_path, load_model
 
 
 @torch.no_grad()
@@ -39,7 +39,7 @@ def features(model, tokenizer, seed: int, batches: int) -> tuple[list[torch.Tens
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--model", default=str(SHIPPED_MODEL))
+    parser.add_argument("--model", default=str(default_model_path()))
     parser.add_argument("--batches", type=int, default=12, help="training batches (3,000 tokens each); 4 more are held out")
     parser.add_argument("--steps", type=int, default=300)
     args = parser.parse_args()

@@ -25,7 +25,7 @@ import json
 from pathlib import Path
 
 from dms_runtime.adapters import adapter_path, load_adapter
-from dms_runtime.loading import SHIPPED_MODEL, load_model
+from dms_runtime.loading import default_model_path, load_model
 from policies.extraction import answers_match
 from tasks.chain import DERIVED, Problem, parse_problem
 from tasks.cot import COMMUTATIVE, line_forms, statement_of, writes_reversed_minus
@@ -76,7 +76,7 @@ def header_defect(got: str, want: str, problem: Problem) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--problems", required=True, type=Path)
-    parser.add_argument("--model", default=str(SHIPPED_MODEL))
+    parser.add_argument("--model", default=str(default_model_path()))
     parser.add_argument("--cr", type=float, default=1.0, help="a DMS adapter beside the model (1 = none)")
     parser.add_argument("--limit", type=int, default=0)
     parser.add_argument("--samples", type=int, default=0, help="sampled threads per failed problem (0 = none)")

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from dms_runtime.loading import SHIPPED_MODEL, load_model
+from dms_runtime.loading import default_model_path, load_model
 from tasks.chain import Problem, parse_problem
 from tasks.cot import line_forms, writes_reversed_minus
 from tasks.jsonl import read_jsonl
@@ -131,7 +131,7 @@ def history_spread(model, tokenizer, problems: list[Problem], histories: int, se
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--problems", required=True, type=Path)
-    parser.add_argument("--model", default=str(SHIPPED_MODEL))
+    parser.add_argument("--model", default=str(default_model_path()))
     parser.add_argument("--limit", type=int, default=0)
     parser.add_argument("--histories", type=int, default=0,
                         help="also teacher-force this many random operand-order histories per problem (about "

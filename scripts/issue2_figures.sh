@@ -1,9 +1,13 @@
 #!/usr/bin/env bash
-# Quality figures of the shipped model on freshly generated problems (seeds never used in training:
-# training draws its problems from random.Random(seed * 1000003 + step)).
+# Quality figures on freshly generated problems (seeds never used in training: training draws its problems from
+# random.Random(seed * 1000003 + step)), in the order they were measured. Sessions 1-21 measured the first shipped
+# model, checkpoints/chain-qwen3-v1 ("shipped" in their file names; THINKPOOL_MODEL below makes it the default
+# for every command and script); from session 22 on, $RM is the model shipped since session 26.
 # Set N_FRESH=400 to add greedy accuracy by k over k = 1..20 (about 10 more minutes).
 set -euo pipefail
 cd "$(dirname "$0")/.."
+V1=checkpoints/chain-qwen3-v1
+export THINKPOOL_MODEL=$V1
 OUT=docs/results
 N_FRESH=${N_FRESH:-0}
 N_HARD=${N_HARD:-100}
@@ -110,12 +114,12 @@ done
 # Sessions 22-23: the reversed-minus candidate (configs/train_reversed_minus.yaml, 40 minutes) against the shipped
 # model on a fresh draw, forecast first (committed before either vote), then greedy on 200 and the vote on 100.
 R=docs/results/reversed_minus
-RM=checkpoints/chain-qwen3-reversed-minus
+RM=checkpoints/chain-qwen3
 mkdir -p "$R"
 .venv/bin/thinkpool generate --n 200 --k 16-20 --seed 1008 --output runs/hard200_1008.jsonl
 head -100 runs/hard200_1008.jsonl > runs/hard100_1008.jsonl
 for m in rm shipped; do
-  model=$([ $m = rm ] && echo $RM || echo checkpoints/chain-qwen3)
+  model=$([ $m = rm ] && echo $RM || echo $V1)
   .venv/bin/python scripts/vote_forecast.py --problems runs/hard100_1008.jsonl --model $model --temperatures 0.8,1.0 \
     > "$R/forecast_${m}_fresh100_1008.json"
   .venv/bin/thinkpool eval --problems runs/hard200_1008.jsonl --model $model --batch-size 200 --workers 0 --json \

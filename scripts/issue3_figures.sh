@@ -1,13 +1,15 @@
 #!/usr/bin/env bash
 # DMS against vanilla and the training-free baselines, greedy, on fresh problems.
 # Vanilla is the shipped base model; the DMS ratios run on the retrofitted copy (checkpoints/chain-qwen3-dms,
-# where CR 1 is its fine-tuned weights without eviction).
+# where CR 1 is its fine-tuned weights without eviction). Outputs: docs/results/v2/ (the model shipped since
+# session 26). The first shipped model's, in docs/results/:
+#   THINKPOOL_MODEL=checkpoints/chain-qwen3-v1 DMS=checkpoints/chain-qwen3-v1-dms OUT=docs/results bash scripts/issue3_figures.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."
-OUT=docs/results
+OUT=${OUT:-docs/results/v2}
 N=${N:-200}
 N_FAR=${N_FAR:-40}
-DMS=checkpoints/chain-qwen3-dms
+DMS=${DMS:-checkpoints/chain-qwen3-dms}
 mkdir -p "$OUT" runs
 .venv/bin/thinkpool generate --n "$N" --k 1-20 --seed 2001 --output runs/dms_k1-20.jsonl
 .venv/bin/thinkpool generate --n "$N_FAR" --k 12-20 --seed 2002 --reach 8 --output runs/farback_k12-20.jsonl
@@ -20,10 +22,11 @@ mkdir -p "$OUT" runs
 .venv/bin/thinkpool eval --problems runs/farback_k12-20.jsonl --press window streaming tova h2o knorm snapkv \
   --compression 8 --json > "$OUT/farback_presses_8x.json"
 # One far-back plot of every method: vanilla, DMS 4x/8x and the presses against realized compression.
-.venv/bin/python - <<'PY'
+OUT="$OUT" .venv/bin/python - <<'PY'
 import json
 from orchestrator.plots import plot_pareto
-out = "docs/results"
+import os
+out = os.environ["OUT"]
 runs = [json.load(open(f"{out}/{name}.json")) for name in ("farback_vanilla", "farback_dms4", "farback_dms8")]
 presses = json.load(open(f"{out}/farback_presses_8x.json"))
 runs += presses.get("runs", [presses])

@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
 # What one KV budget buys: threads and tokens/s per method, and vote accuracy at equal memory.
 # The budget holds about four vanilla threads of 1000 tokens (4 x 1100 tokens x 3072 bytes).
+# Measured on the first shipped model (sessions 9-21): THINKPOOL_MODEL makes it the vanilla default.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+export THINKPOOL_MODEL=checkpoints/chain-qwen3-v1
 OUT=docs/results
-DMS=checkpoints/chain-qwen3-dms
+DMS=checkpoints/chain-qwen3-v1-dms
 BUDGET=${BUDGET:-13.5MB}
 N_HARD=${N_HARD:-24}
 mkdir -p "$OUT" runs
@@ -18,16 +20,16 @@ for cr in 1 4 8; do
 done
 .venv/bin/thinkpool eval --problems runs/equal_memory_k16-20.jsonl --kv-budget "$BUDGET" --samples fit \
   --max-new-tokens 1000 --workers 0 --json > "$OUT/equal_memory_vanilla_base.json"
-# 8x trained for long reasoning (checkpoints/chain-qwen3-dms-8x-long) against vanilla on three draws of hard
+# 8x trained for long reasoning (checkpoints/chain-qwen3-v1-dms-8x-long) against vanilla on three draws of hard
 # problems (60 + 40 + 40), keeping every thread for scripts/vote_curve.py. About 1 h 40 min on 2 CPU cores.
-LONG=checkpoints/chain-qwen3-dms-8x-long
+LONG=checkpoints/chain-qwen3-v1-dms-8x-long
 .venv/bin/thinkpool generate --n 60 --k 16-20 --seed 4001 --output runs/equal_memory_k16-20_60.jsonl
 .venv/bin/thinkpool generate --n 40 --k 16-20 --seed 4002 --output runs/equal_memory_k16-20_fresh40.jsonl
 .venv/bin/thinkpool generate --n 40 --k 16-20 --seed 4003 --output runs/equal_memory_k16-20_fresh40b.jsonl
 # Reservations at each adapter's measured KV growth (stored in the shipped adapters; this re-measures them, seeded,
 # and writes the same figures back): 39 threads per problem. The 25-thread runs (equal_memory_cr8_long_$set.json)
 # were made before the adapters carried a measurement (git checkout 9f5714e reproduces them).
-for model in checkpoints/chain-qwen3-dms checkpoints/chain-qwen3-dms-8x-1h "$LONG"; do
+for model in "$DMS" checkpoints/chain-qwen3-v1-dms-8x-1h "$LONG"; do
   .venv/bin/thinkpool kv-growth --model "$model"
 done
 for set in 60 fresh40 fresh40b; do

@@ -37,7 +37,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 from header_probe import HeaderRead, read_headers  # noqa: E402
 
-from dms_runtime.loading import SHIPPED_MODEL, load_model  # noqa: E402
+from dms_runtime.loading import default_model_path, load_model  # noqa: E402
 from dms_runtime.tokenizer import writes_reversed_minus_lines  # noqa: E402
 from orchestrator.plots import plot_vote_forecast  # noqa: E402
 from tasks.chain import Problem, parse_problem  # noqa: E402
@@ -150,7 +150,7 @@ def forecast(model, tokenizer, problems: list[Problem], temperatures: list[float
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--problems", required=True, type=Path)
-    parser.add_argument("--model", default=str(SHIPPED_MODEL))
+    parser.add_argument("--model", default=str(default_model_path()))
     parser.add_argument("--limit", type=int, default=0)
     parser.add_argument("--samples", type=int, default=16)
     parser.add_argument("--temperatures", default="0.5,0.8,1.0")

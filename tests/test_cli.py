@@ -6,6 +6,9 @@ import sys
 
 import pytest
 
+from orchestrator.settings import DEFAULT_PROFILE
+from policies.planner import CalibrationProfile
+
 
 def thinkpool(*args: str, cwd=None) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "orchestrator.cli", *args], capture_output=True, text=True, timeout=600, cwd=cwd)
@@ -84,9 +87,9 @@ def test_solve_and_info():
         (("generate", "--n", "3", "--k", "0-30", "--output", "x.jsonl"), "argument --k"),
         (("info", "--model", "/nonexistent"), "argument --model: no model at /nonexistent"),
         (("retrofit", "--thresholds-only", "--output", "{tmp}"), "argument --thresholds-only: no trained adapter at"),
-        (("kv-growth", "--model", "checkpoints/chain-qwen3-dms-8x-long", "--cr", "4"), "argument --cr: no adapter for 4x"),
-        (("kv-growth", "--model", "checkpoints/chain-qwen3-dms-8x-long", "--quantile", "2"), "argument --quantile"),
-        (("kv-growth", "--model", "checkpoints/chain-qwen3-dms-8x-long", "--k", "1-2", "--problems", "1", "--threads", "1"),
+        (("kv-growth", "--model", "checkpoints/chain-qwen3-v1-dms-8x-long", "--cr", "4"), "argument --cr: no adapter for 4x"),
+        (("kv-growth", "--model", "checkpoints/chain-qwen3-v1-dms-8x-long", "--quantile", "2"), "argument --quantile"),
+        (("kv-growth", "--model", "checkpoints/chain-qwen3-v1-dms-8x-long", "--k", "1-2", "--problems", "1", "--threads", "1"),
          "argument --k: no thread at 8x generated 256 tokens past its window on k 1-2"),
     ],
 )
@@ -126,7 +129,9 @@ def test_bench_controller_compares_against_fixed_configurations(easy_file, tmp_p
     assert fixed_one["samples_per_problem"] == 1 and fixed_two["samples_per_problem"] == 2
     assert fixed_two["tokens_generated"] > fixed_one["tokens_generated"]
     assert controller["n"] == 3 and sum(controller["threads_chosen"].values()) == 3
-    assert controller["temperatures_chosen"] == {"0.8": 3}  # the shipped profile holds votes at 0.8 alone
+    shipped_temperatures = {f"{t:g}" for t in CalibrationProfile.load(DEFAULT_PROFILE).temperatures()}
+    assert sum(controller["temperatures_chosen"].values()) == 3  # one plan per problem, at a calibrated temperature
+    assert set(controller["temperatures_chosen"]) <= shipped_temperatures
     assert controller["config"]["temperature"] is None  # planned per task, not fixed
     comparison = report["comparison"]
     best = next(r for r in report["runs"] if r["method"] == comparison["best_fixed"])

@@ -94,7 +94,7 @@ def test_schedule_ramps_every_ratio_linearly_then_holds():
 
 def test_retrofit_batches_write_minus_lines_as_the_base_model_was_trained():
     """A retrofit distils on the base model's own chain of thought: ``-`` lines read from the right only for a base
-    whose tokenizer holds ``~`` (``configs/train_reversed_minus.yaml``), never for the shipped model's."""
+    whose tokenizer holds ``~`` (the shipped model's: ``configs/train_reversed_minus.yaml``), never for the first one's."""
     from dms_runtime.retrofit import chain_batch
     from dms_runtime.tokenizer import build_tokenizer
 

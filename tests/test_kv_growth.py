@@ -15,11 +15,11 @@ from workers.kv_budget import KVBudgetModel
 from workers.thread import SamplingParams
 from workers.worker import WorkerConfig, available_ratios, build_engine
 
-LONG = REPO_ROOT / "checkpoints" / "chain-qwen3-dms-8x-long"
+LONG = REPO_ROOT / "checkpoints" / "chain-qwen3-v1-dms-8x-long"
 EQUAL_MEMORY = 13_500_000  # the equal-memory budget: about four vanilla threads of 1000 tokens
 
 
-@pytest.mark.parametrize("model", ["chain-qwen3-dms", "chain-qwen3-dms-8x-1h", "chain-qwen3-dms-8x-long"])
+@pytest.mark.parametrize("model", ["chain-qwen3-dms", "chain-qwen3-v1-dms", "chain-qwen3-v1-dms-8x-1h", "chain-qwen3-v1-dms-8x-long"])
 def test_every_shipped_adapter_carries_its_measured_growth(model):
     for cr in available_ratios(REPO_ROOT / "checkpoints" / model):
         growth = read_kv_growth(adapter_path(REPO_ROOT / "checkpoints" / model, cr))

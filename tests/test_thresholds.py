@@ -13,10 +13,10 @@ from orchestrator.thresholds import fit_threshold, measure
 from tasks.chain import generate_suite
 
 SHIPPED_DMS = REPO_ROOT / "checkpoints" / "chain-qwen3-dms"
-# The 8x-only retrofits shipped beside the three-ratio one: each with the config that trains it and a difficulty
-# range it serves (the long-reasoning one never saw short problems).
-EIGHT_X_RETROFITS = [("chain-qwen3-dms-8x-1h", "retrofit_chain_1h.yaml", (4, 6)),
-                     ("chain-qwen3-dms-8x-long", "retrofit_chain_8x_long.yaml", (12, 14))]
+# The 8x-only retrofits of the first shipped model (chain-qwen3-v1), kept beside the three-ratio ones: each with
+# the config that trains it and a difficulty range it serves (the long-reasoning one never saw short problems).
+EIGHT_X_RETROFITS = [("chain-qwen3-v1-dms-8x-1h", "retrofit_chain_1h.yaml", (4, 6)),
+                     ("chain-qwen3-v1-dms-8x-long", "retrofit_chain_8x_long.yaml", (12, 14))]
 
 
 @pytest.fixture(scope="module")
