@@ -136,7 +136,7 @@ def test_header_probe_reads_the_shipped_models_headers_as_sure_and_an_untrained_
     problem = parse_problem("a=7;b=42;c=a+b;d=c*a;e=d-b;?e")
     canonical = probe.header_copy_probabilities(model, tokenizer, problem, "canonical")
     other = probe.header_copy_probabilities(model, tokenizer, problem, "other_order")
-    assert len(canonical) == 3 and len(other) == 2  # e (-) has one order
+    assert len(canonical) == 3 and len(other) == 3  # the shipped model reads e (-) from the right too
     assert min(canonical + other) > 0.9
     assert probe.summary(canonical)["mean_error"] < 0.1 and probe.summary(canonical)["lines"] == 3
     torch.manual_seed(0)
