@@ -22,11 +22,11 @@ mkdir -p "$OUT" runs
 .venv/bin/thinkpool eval --problems runs/farback_k12-20.jsonl --press window streaming tova h2o knorm snapkv \
   --compression 8 --json > "$OUT/farback_presses_8x.json"
 # One far-back plot of every method: vanilla, DMS 4x/8x and the presses against realized compression.
-OUT="$OUT" .venv/bin/python - <<'PY'
+.venv/bin/python - "$OUT" <<'PY'
 import json
+import sys
 from orchestrator.plots import plot_pareto
-import os
-out = os.environ["OUT"]
+out = sys.argv[1]
 runs = [json.load(open(f"{out}/{name}.json")) for name in ("farback_vanilla", "farback_dms4", "farback_dms8")]
 presses = json.load(open(f"{out}/farback_presses_8x.json"))
 runs += presses.get("runs", [presses])

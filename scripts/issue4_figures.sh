@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # What one KV budget buys: threads and tokens/s per method, and vote accuracy at equal memory.
 # The budget holds about four vanilla threads of 1000 tokens (4 x 1100 tokens x 3072 bytes).
-# Measured on the first shipped model (sessions 9-21): THINKPOOL_MODEL makes it the vanilla default.
+# Measured on the first shipped model (sessions 9-21): THINKPOOL_MODEL makes it the vanilla default, and the
+# sampling temperature of every run that names none is 0.8, the default then (1.0 since session 26).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-export THINKPOOL_MODEL=checkpoints/chain-qwen3-v1
+export THINKPOOL_MODEL=checkpoints/chain-qwen3-v1 THINKPOOL_SAMPLING_TEMPERATURE=0.8
 OUT=docs/results
 DMS=checkpoints/chain-qwen3-v1-dms
 BUDGET=${BUDGET:-13.5MB}
