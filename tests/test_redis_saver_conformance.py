@@ -8,13 +8,10 @@ import uuid
 
 import pytest
 import redis
+from langgraph.checkpoint.conformance import checkpointer_test, validate  # the test extra: pip install -e '.[test]'
+from langgraph.checkpoint.conformance.capabilities import Capability
 
-pytest.importorskip("langgraph.checkpoint.conformance", reason="pip install -e '.[test]'")
-
-from langgraph.checkpoint.conformance import checkpointer_test, validate  # noqa: E402
-from langgraph.checkpoint.conformance.capabilities import Capability  # noqa: E402
-
-from orchestrator.redis_saver import RedisSaver  # noqa: E402
+from orchestrator.redis_saver import RedisSaver
 
 
 def registered_saver(redis_url: str):
