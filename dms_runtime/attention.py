@@ -91,6 +91,9 @@ def _base_mask(attention_mask: torch.Tensor | None, q_len: int, k_len: int, devi
 
 
 def dms_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
+    if zeroed := getattr(module, "zeroed_query_heads", None):  # a query channel repurposed as a gate stays zero
+        query = query.clone()  # after RoPE too (dms_runtime.nvidia_layout)
+        query[:, zeroed, :, -1] = 0
     state: LayerState | None = getattr(module, "dms", None)
     if state is None or state.mode == "off":
         return _sdpa(module, query, key, value, _base_mask(attention_mask, query.shape[2], key.shape[2], query.device), scaling)
