@@ -71,7 +71,8 @@ def extract_math_answer(text: str) -> str | None:
 
 # -- comparing math answers -------------------------------------------------------------------------------
 _SPACING = re.compile(r"\\[!,;: ]|~")
-_DELIMITERS = re.compile(r"\\(?:left|right|bigl|bigr|Bigl|Bigr|big|Big|displaystyle)(?![a-zA-Z])|\\?\$|\\\(|\\\)|\\\[|\\\]")
+_DELIMITERS = re.compile(
+    r"\\(?:left|right|bigl|bigr|Bigl|Bigr|big|Big|displaystyle)(?![a-zA-Z])|\\?\$|\\\(|\\\)|\\\[|\\\]")
 _TEXT = re.compile(r"\\(?:text|textbf|textrm|mbox|mathrm|operatorname)\s*\{([^{}]*)\}")
 _UNIT_AFTER_NUMBER = re.compile(r"([\d}.])\s*\\(?:text|mbox|mathrm)\s*\{[^{}]*\}")
 _DEGREES = re.compile(r"\^\s*\{?\\circ\}?|°")

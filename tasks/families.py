@@ -129,7 +129,8 @@ class _FreeText:
         content = f"{problem_text}\n\n{self.instruction}" if self.instruction else problem_text
         if not has_chat_template(tokenizer):
             return self.raw_template.format(problem=content)
-        messages = ([{"role": "system", "content": self.system}] if self.system else []) + [{"role": "user", "content": content}]
+        messages = [{"role": "system", "content": self.system}] if self.system else []
+        messages.append({"role": "user", "content": content})
         options = {} if self.thinking is None else {"enable_thinking": self.thinking}
         return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False, **options)
 
@@ -235,7 +236,8 @@ def default_family(model_dir: str | Path) -> str:
         task = settings.get("task") if isinstance(settings, dict) else None
         if task is not None:
             if task not in FAMILIES:
-                raise ValueError(f"task: {settings_path} declares unknown task family {task!r}; known: {', '.join(FAMILIES)}")
+                raise ValueError(f"task: {settings_path} declares unknown task family {task!r}; "
+                                 f"known: {', '.join(FAMILIES)}")
             return task
     return "chain" if _has_chain_tokenizer(model_dir) else "math"
 

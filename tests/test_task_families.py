@@ -60,7 +60,8 @@ def test_equal_math_answers_match(a, b):
     assert math_answer_key(a) == math_answer_key(b)
 
 
-@pytest.mark.parametrize("a, b", [("0.333", "1/3"), ("(1,2)", "[1,2]"), ("12", "1,2"), (r"\rightarrow", "arrow"), ("2", "-2")])
+@pytest.mark.parametrize("a, b", [("0.333", "1/3"), ("(1,2)", "[1,2]"), ("12", "1,2"), (r"\rightarrow", "arrow"),
+                                  ("2", "-2")])
 def test_different_math_answers_do_not_match(a, b):
     assert not math_answers_match(a, b)
     assert not math_answers_match(None, a) and not get_family("math").same(a, None)
@@ -159,7 +160,8 @@ def test_math_input_goes_through_the_chat_template_with_enable_thinking():
     ids = get_family("math").encode(problem, tokenizer)
     assert ids[0] == tokenizer.convert_tokens_to_ids("<|im_start|>") and tokenizer.decode(ids) == user
     regex = get_family("regex", answer_pattern=r"\d+")
-    assert regex.format_input("How many?", tokenizer) == "<|im_start|>user\nHow many?<|im_end|>\n<|im_start|>assistant\n"
+    expected = "<|im_start|>user\nHow many?<|im_end|>\n<|im_start|>assistant\n"
+    assert regex.format_input("How many?", tokenizer) == expected
 
 
 def test_without_a_chat_template_the_raw_template_is_used():
