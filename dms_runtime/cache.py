@@ -19,6 +19,8 @@ from typing import Any
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
+from dms_runtime.eviction import decided_marks, expired
+
 GROWTH = 64  # slots added per head when a layer runs out (amortises reallocation)
 
 
@@ -79,14 +81,10 @@ class DMSLayer(CacheLayerMixin):
         return self.keys, self.values
 
     def _apply_decisions(self, start: torch.Tensor, q_len: int) -> None:
-        """The logit at position t marks token t-1: new logits decide tokens start-1 .. start+q-2."""
+        """Mark what the pending gate logits decide (:func:`~dms_runtime.eviction.decided_marks`)."""
         if self.pending_logits is None:
             return
-        marks = (self.pending_logits > self.threshold).transpose(1, 2)  # [B, decisions, q]
-        marks = marks.expand(-1, self.pos.shape[1], -1)
-        relative = self.pos - (start - 1)[:, None, None]
-        in_range = (self.pos >= 0) & (relative >= 0) & (relative < q_len)
-        self.evict |= in_range & marks.gather(2, relative.clamp(0, q_len - 1))
+        self.evict |= decided_marks(self.pending_logits, self.threshold, self.pos, self.pos >= 0, start, q_len)
         self.pending_logits = None
 
     # -- attention -----------------------------------------------------------------------------------
@@ -94,7 +92,7 @@ class DMSLayer(CacheLayerMixin):
         """``[B, H, q, slots]``: which slot each new query may attend to; frees slots no future query can see."""
         query = self.query_pos[:, None, :, None]
         pos = self.pos[:, :, None, :]
-        expired = self.evict[:, :, None, :] & (query - pos > self.window)
+        gone = expired(self.evict[:, :, None, :], pos, query, self.window)
         prefill = int(self.length.max()) == query.shape[2]
         visible = (pos >= 0) & (pos <= query)
         if attention_mask is not None:
@@ -106,10 +104,10 @@ class DMSLayer(CacheLayerMixin):
             if prefill:  # count the left padding once
                 self.padding = (~mask[:, 0, -1, :]).sum(-1)
         # Visibility only shrinks for later queries: what the newest query cannot see is gone for good.
-        self.pos.masked_fill_(~(visible & ~expired)[:, :, -1, :] & (self.pos >= 0), -1)
+        self.pos.masked_fill_(~(visible & ~gone)[:, :, -1, :] & (self.pos >= 0), -1)
         if self.dense_prefill and prefill:
             return visible  # the prompt attends densely; evictions apply from the first generated token on
-        return visible & ~expired
+        return visible & ~gone
 
     # -- Cache API plumbing --------------------------------------------------------------------------
     def get_seq_length(self) -> int:

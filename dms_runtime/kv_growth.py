@@ -1,6 +1,6 @@
 """How much of a thread's KV an adapter keeps: the figure admission control reserves memory by.
 
-Measured per adapter on fresh problems (``thinkpool kv-growth``, :mod:`orchestrator.kv_growth`) and stored in
+Measured per adapter on fresh problems (``thinkpool kv-growth``, :mod:`training.measure_kv_growth`) and stored in
 the adapter's metadata under ``kv_growth``; an adapter never measured falls back to DESIGN's ``1/cr``.
 """
 

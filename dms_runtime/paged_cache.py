@@ -19,6 +19,7 @@ from typing import Any
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
+from dms_runtime.eviction import decided_marks, expired
 from dms_runtime.kv_pool import KVPool
 
 GROWTH = 32  # table columns added when a row's head has no free entry (amortises reallocation)
@@ -37,6 +38,7 @@ class PagedLayer(CacheLayerMixin):
         self.evict = torch.zeros((0, num_heads, 0), dtype=torch.bool, device=device)
         self.length = torch.zeros(0, dtype=torch.long, device=device)  # tokens processed per row
         self.window = torch.zeros(0, dtype=torch.long, device=device)
+        self.owner = torch.zeros(0, dtype=torch.long, device=device)  # per row: the task its new slots belong to
         self.zero_windows = 0  # rows with window 0: a token can expire in the step that decides it
         self.pending_logits: torch.Tensor | None = None
         self.is_initialized = True
@@ -45,22 +47,25 @@ class PagedLayer(CacheLayerMixin):
         pass
 
     # -- rows ----------------------------------------------------------------------------------------
-    def add_rows(self, windows: torch.Tensor) -> None:
+    def add_rows(self, windows: torch.Tensor, owners: torch.Tensor) -> None:
         count, heads = len(windows), self.table.shape[1]
         self.table = torch.cat([self.table, self.table.new_full((count, heads, self.table.shape[2]), -1)])
         self.pos = torch.cat([self.pos, self.pos.new_full((count, heads, self.pos.shape[2]), -1)])
         self.evict = torch.cat([self.evict, self.evict.new_zeros((count, heads, self.evict.shape[2]))])
         self.length = torch.cat([self.length, self.length.new_zeros(count)])
+        self.owner = torch.cat([self.owner, owners.to(self.owner)])
         self._set_windows(torch.cat([self.window, windows.to(self.window)]))
 
-    def extend(self, other: "PagedLayer", repeat: int) -> None:
-        """Append ``other``'s rows ``repeat`` times each; the copies share (and reference) its slots."""
+    def extend(self, other: "PagedLayer", repeat: int, keep_source: bool = False) -> None:
+        """Append ``other``'s rows ``repeat`` times each; the copies share (and reference) its slots. Unless
+        ``keep_source``, the first copy takes over ``other``'s own reference (``other`` is then spent)."""
         width = max(self.table.shape[2], other.table.shape[2])
-        self.pool.retain(other.table[other.table >= 0], repeat - 1)
+        self.pool.retain(other.table[other.table >= 0], repeat if keep_source else repeat - 1)
         for name, fill in (("table", -1), ("pos", -1), ("evict", False)):
             mine, theirs = _widen(getattr(self, name), width, fill), _widen(getattr(other, name), width, fill)
             setattr(self, name, torch.cat([mine, theirs.repeat_interleave(repeat, dim=0)]))
         self.length = torch.cat([self.length, other.length.repeat_interleave(repeat)])
+        self.owner = torch.cat([self.owner, other.owner.repeat_interleave(repeat)])
         self._set_windows(torch.cat([self.window, other.window.repeat_interleave(repeat)]))
 
     def remove_rows(self, rows: list[int]) -> None:
@@ -71,7 +76,7 @@ class PagedLayer(CacheLayerMixin):
         drop[rows] = True
         gone = self.table[drop]
         self.pool.release(gone[gone >= 0])
-        for name in ("table", "pos", "evict", "length"):
+        for name in ("table", "pos", "evict", "length", "owner"):
             setattr(self, name, getattr(self, name)[~drop])
         self._set_windows(self.window[~drop])
         self._trim()
@@ -95,7 +100,7 @@ class PagedLayer(CacheLayerMixin):
         start = self.length
         if self.zero_windows:  # token start-1, decided now, may expire before the new tokens arrive
             self._apply_marks(start, q_len)
-        self._release((self.table >= 0) & self.evict & (start[:, None, None] - self.pos > self.window[:, None, None]))
+        self._release((self.table >= 0) & expired(self.evict, self.pos, start[:, None, None], self.window[:, None, None]))
         free = self.table < 0
         shortfall = q_len - int(free.sum(-1).min()) if free.numel() else q_len
         if shortfall > 0:
@@ -108,7 +113,8 @@ class PagedLayer(CacheLayerMixin):
             columns = self.table.shape[2]
             order = torch.where(free, 0, columns) + torch.arange(columns, device=free.device)
             target = order.topk(q_len, dim=-1, largest=False).indices  # [rows, heads, q]: the lowest free entries
-        slots = self.pool.allocate(rows * heads * q_len).view(rows, heads, q_len)
+        owners = self.owner[:, None].expand(rows, heads * q_len).flatten()
+        slots = self.pool.allocate(rows * heads * q_len, owners).view(rows, heads, q_len)
         self.pool.write(slots.flatten(), key_states.reshape(-1, dim), value_states.reshape(-1, value_states.shape[-1]))
         new_pos = start[:, None, None] + torch.arange(q_len, device=start.device)
         self.table.scatter_(2, target, slots)
@@ -123,27 +129,21 @@ class PagedLayer(CacheLayerMixin):
         return self.pool.keys.index_select(0, index.flatten()).view(shape), self.pool.values.index_select(0, index.flatten()).view(shape)
 
     def _apply_marks(self, start: torch.Tensor, q_len: int) -> None:
-        """The logit at position t marks token t-1: this pass's logits decide tokens start-1 .. start+q-2."""
+        """Mark what this pass's gate logits decide (:func:`~dms_runtime.eviction.decided_marks`)."""
         if self.pending_logits is None:
             return
         if not bool((self.pending_logits > 0).any()):  # nothing marked (vanilla rows, or a quiet step)
             return
-        marks = (self.pending_logits > 0).transpose(1, 2).expand(-1, self.table.shape[1], -1)  # [rows, heads, q]
-        if q_len == 1:  # decoding: only token start-1 is decided
-            self.evict |= (self.pos == (start - 1)[:, None, None]) & marks
-            return
-        relative = self.pos - (start - 1)[:, None, None]
-        in_range = (self.table >= 0) & (relative >= 0) & (relative < q_len)
-        self.evict |= in_range & marks.gather(2, relative.clamp(0, q_len - 1))
+        self.evict |= decided_marks(self.pending_logits, 0.0, self.pos, self.table >= 0, start, q_len)
 
     def visibility(self) -> torch.Tensor:
         """``[rows, heads, q, table]``: which entries each new query sees; releases what none will see again."""
         query = self.query_pos[:, None, :, None]
         pos = self.pos[:, :, None, :]
         occupied = (self.table >= 0)[:, :, None, :]
-        expired = self.evict[:, :, None, :] & (query - pos > self.window[:, None, None, None])
-        visible = occupied & (pos <= query) & ~expired
-        self._release(occupied[:, :, 0] & expired[:, :, -1])
+        gone = expired(self.evict[:, :, None, :], pos, query, self.window[:, None, None, None])
+        visible = occupied & (pos <= query) & ~gone
+        self._release(occupied[:, :, 0] & gone[:, :, -1])
         return visible
 
     def _release(self, entries: torch.Tensor) -> None:
@@ -180,16 +180,19 @@ class PagedDMSCache(Cache):
     def rows(self) -> int:
         return self.layers[0].table.shape[0]
 
-    def add_rows(self, windows: list[int]) -> None:
-        """Empty rows (to prefill into); ``windows`` is each row's DMS window."""
+    def add_rows(self, windows: list[int], owners: list[int] | None = None) -> None:
+        """Empty rows (to prefill into); ``windows`` is each row's DMS window, ``owners`` the pool owner (task)
+        that its slots are counted for (default 0)."""
         tensor = torch.tensor(windows, dtype=torch.long)
+        owner = torch.tensor(owners if owners is not None else [0] * len(windows), dtype=torch.long)
         for layer in self.layers:
-            layer.add_rows(tensor)
+            layer.add_rows(tensor, owner)
 
-    def extend(self, other: "PagedDMSCache", repeat: int = 1) -> None:
-        """Take over ``other``'s rows, each repeated ``repeat`` times (``other`` must not be used afterwards)."""
+    def extend(self, other: "PagedDMSCache", repeat: int = 1, keep_source: bool = False) -> None:
+        """Take over ``other``'s rows, each repeated ``repeat`` times: ``other`` must not be used afterwards, unless
+        ``keep_source`` (then it keeps its own reference to every slot: a task's held prompt)."""
         for mine, theirs in zip(self.layers, other.layers):
-            mine.extend(theirs, repeat)
+            mine.extend(theirs, repeat, keep_source)
 
     def remove_rows(self, rows: list[int]) -> None:
         for layer in self.layers:

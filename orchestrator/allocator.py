@@ -8,8 +8,11 @@ granted highest priority first (ties: first come). So a new task's first round (
 to a few votes) goes ahead of a long-running task's tenth escalation, and a cheap high-ratio round goes
 ahead of an equally useful vanilla one that costs eight times the memory.
 
-A request larger than the whole capacity is granted alone, once nothing else holds bytes, rather than
-never: the engine's own admission control still keeps its pool from being overrun.
+A task's held prompt (its worker keeps it for the task's life, shared by every round) is counted with
+:meth:`ThreadAllocator.hold` at once, without waiting: its first round has been granted, so its prompt is
+already there. A round larger than what is free is granted alone, once no other round holds bytes (held
+prompts aside), rather than never: the engine's own admission control still keeps its pool from being
+overrun.
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ class ThreadAllocator:
             raise ValueError(f"capacity_bytes must be positive, got {capacity_bytes}")
         self.capacity_bytes = capacity_bytes
         self.in_use = 0
+        self.held = 0  # of in_use: the tasks' held prompts
         self._waiting: list[_Waiter] = []
         self._arrivals = itertools.count()
         self.grants: list[str] = []  # task ids in the order they were granted (for stats and tests)
@@ -71,6 +75,16 @@ class ThreadAllocator:
         self.in_use -= nbytes
         self._grant_waiting()
 
+    def hold(self, nbytes: int) -> None:
+        """Count a task's held prompt now (it exists: no waiting)."""
+        self.in_use += nbytes
+        self.held += nbytes
+
+    def unhold(self, nbytes: int) -> None:
+        """A task's held prompts are gone."""
+        self.held -= nbytes
+        self.release(nbytes)
+
     def _grant_waiting(self) -> None:
         """Grant from the top of the queue while the top fits (strict priority: nothing jumps a waiting
         higher-priority request, so a large useful round is not starved by a stream of small ones)."""
@@ -79,7 +93,7 @@ class ThreadAllocator:
             if top.granted.cancelled():
                 heapq.heappop(self._waiting)
                 continue
-            if self.in_use + top.nbytes > self.capacity_bytes and self.in_use > 0:
+            if self.in_use + top.nbytes > self.capacity_bytes and self.in_use > self.held:
                 return
             heapq.heappop(self._waiting)
             self.in_use += top.nbytes

@@ -28,6 +28,7 @@ from orchestrator.jobs import make_job_store
 from orchestrator.schemas import Job, SolveRequest, SolveResult
 
 MAX_BODY_BYTES = 64 * 1024
+KEEP_FINISHED_STREAMS = 256  # finished jobs whose event stream can still be replayed
 
 
 class CompletionRequest(BaseModel):
@@ -72,13 +73,14 @@ def create_app(service_factory, store=None) -> FastAPI:
         "threads_running": "threads decoding", "threads_waiting": "threads queued", "tokens_per_s": "engine tokens per second",
         "realized_cr": "mean realized compression of recent threads",
         "engine_busy_seconds": "time the engines spent stepping, all workers"}.items()}
-    state: dict = {"events": {}, "tasks": {}, "recent_cr": []}
+    state: dict = {"events": {}, "tasks": {}, "recent_cr": [], "finished": []}
     keys = parse_keys(os.environ.get("THINKPOOL_API_KEYS", ""))
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         state["service"] = await asyncio.to_thread(service_factory)
-        state["store"] = store or make_job_store()
+        state["store"] = store or make_job_store(state["service"].model_id)
+        state["store"].model_id = state["service"].model_id
         for job in state["store"].unfinished():  # accepted before a restart: finish it now
             start_job(job)
         yield
@@ -106,6 +108,10 @@ def create_app(service_factory, store=None) -> FastAPI:
 
     def publish(job_id: str, event: str, data: dict) -> None:
         state["events"].setdefault(job_id, []).append((event, data))
+        if event == "done":  # keep the streams of the most recent finished jobs only
+            state["finished"].append(job_id)
+            while len(state["finished"]) > KEEP_FINISHED_STREAMS:
+                state["events"].pop(state["finished"].pop(0), None)
 
     def record(result: SolveResult) -> None:
         state["recent_cr"] = (state["recent_cr"] + [result.realized_cr])[-100:]
@@ -179,9 +185,9 @@ def create_app(service_factory, store=None) -> FastAPI:
             raise HTTPException(status_code=404, detail=f"no job {job_id}")
         task = state["tasks"].get(job_id)
         if task is not None:
+            await state["service"].cancel(job_id)  # every thread of the job stops on its worker; its KV is free
             task.cancel()
             await asyncio.gather(task, return_exceptions=True)
-            await state["service"].pool.cancel(job_id)
         return state["store"].get(job_id)
 
     @app.get("/v1/jobs/{job_id}/events", dependencies=[Depends(authorized)])

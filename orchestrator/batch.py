@@ -3,10 +3,12 @@
     ray job submit --working-dir . -- python -m orchestrator.batch --input problems.jsonl --output results.jsonl
     thinkpool batch --input problems.jsonl --output results.jsonl          # the same, from the CLI
 
-Joins the cluster it runs on (``RAY_ADDRESS``, set by ``ray job submit``) or starts a local one. Problems
-are solved concurrently on the workers; each result line (``id``, ``answer``, ``correct`` when the file
-has answers, ``votes``, ``samples``, ``tokens``, ``realized_cr``) is appended as soon as its problem is
-done, so ``--resume`` after an interruption skips the ids already written.
+Joins the cluster it runs on (``RAY_ADDRESS``, set by ``ray job submit``) or starts a local one. Every problem
+is one request to the same :class:`~orchestrator.service.SolveService` the REST API runs (so the configured
+sampling defaults apply), seeded from its id: problems are solved concurrently on the workers, each result line
+(``id``, ``answer``, ``correct`` when the file has answers, ``votes``, ``samples``, ``tokens``, ``realized_cr``,
+``kv_peak_bytes``) is appended as soon as its problem is done, and ``--resume`` after an interruption skips the
+ids already written and gives the rest the threads a full run would have.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import json
 import sys
 from pathlib import Path
 
-from orchestrator.cli import bounded
+from orchestrator.arguments import bounded, sample_count
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -25,9 +27,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--input", type=Path, required=True, help="JSONL problems ({id, prompt[, answer]})")
     parser.add_argument("--output", type=Path, required=True, help="JSONL results, one line per problem")
     parser.add_argument("--resume", action="store_true", help="skip problems whose id is already in --output")
-    parser.add_argument("--samples", type=bounded(int, 1, 256), default=8, help="threads per problem (1 = greedy)")
-    parser.add_argument("--cr", type=float, default=1.0, help="DMS compression ratio")
-    parser.add_argument("--workers", type=bounded(int, 1), default=1, help="Ray worker actors")
+    parser.add_argument("--samples", type=sample_count(256, "auto"), default=8,
+                        help="threads per problem (1 = greedy), or 'auto' for the controller")
+    parser.add_argument("--cr", type=bounded(float, 1, 64), default=None, help="DMS compression ratio (fixed samples)")
+    parser.add_argument("--seed", type=bounded(int, 0), default=0, help="the run's seed (each problem's derives from its id)")
+    parser.add_argument("--workers", type=bounded(int, 0, 64), default=1, help="Ray worker actors (0: in this process)")
     parser.add_argument("--concurrency", type=bounded(int, 1), default=16, help="problems in flight at once")
     parser.add_argument("--model", type=Path, default=None)
     return parser
@@ -45,40 +49,53 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return check_args(parser.parse_args(argv), parser)
 
 
+def result_line(problem: dict, result) -> dict:
+    """One problem's result line: its outcome (scored when the file has answers) and its threads' answers."""
+    from policies.extraction import answers_match
+
+    line = {"id": problem["id"], "answer": result.answer, "votes": result.votes, "samples": result.samples,
+            "tokens": result.tokens, "cr": result.cr, "realized_cr": result.realized_cr, "kv_peak_bytes": result.kv_peak_bytes,
+            "threads": [{"answer": t.answer, "tokens": t.tokens, "mean_logprob": round(t.mean_logprob, 5)} for t in result.threads]}
+    if "answer" in problem:
+        line["expected"] = problem["answer"]
+        line["correct"] = answers_match(result.answer, problem["answer"])
+    return line
+
+
 async def run_batch(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
     from dms_runtime.loading import default_model_path
-    from orchestrator.evaluate import problem_record
-    from tasks.jsonl import read_jsonl, read_problems
-    from tasks.prompt import format_prompt
-    from workers.pool import WorkerPool
-    from workers.thread import SamplingParams
-    from workers.worker import ProblemRequest, WorkerConfig
+    from orchestrator.schemas import SolveRequest
+    from orchestrator.service import service_factory
+    from tasks.jsonl import problem_seed, read_jsonl, read_problems
 
     problems = read_problems(args.input)
     done: set[str] = set()
     if args.resume and args.output.is_file():
         done = {record["id"] for record in read_jsonl(args.output)}
     todo = [p for p in problems if p["id"] not in done]
-    pool = WorkerPool(WorkerConfig(model=str(args.model or default_model_path())), num_workers=args.workers)
+    service = service_factory(args.model or default_model_path(), None, args.workers)()
     gate = asyncio.Semaphore(args.concurrency)
-    params = SamplingParams(0.0 if args.samples == 1 else 0.8, 1.0, 1536, 0)
     with args.output.open("a") as out, tqdm(total=len(todo), desc="problems", file=sys.stderr) as bar:
-        async def one(index: int, problem: dict) -> None:
+        async def one(problem: dict) -> None:
             async with gate:
-                request = ProblemRequest(f"batch-{problem['id']}", format_prompt(problem["prompt"]), tuple(range(args.samples)),
-                                         SamplingParams(params.temperature, 1.0, params.max_new_tokens, index), args.cr)
-                threads = await pool.collect(request)
-            record = problem_record(problem, threads)
-            out.write(json.dumps(record) + "\n")
+                request = SolveRequest(prompt=problem["prompt"], samples=args.samples, cr=args.cr,
+                                       seed=problem_seed(args.seed, problem["id"]))
+                result = await service.solve(request, job_id=f"batch-{problem['id']}")
+            out.write(json.dumps(result_line(problem, result)) + "\n")
             out.flush()
             bar.update(1)
 
-        await asyncio.gather(*(one(i, p) for i, p in enumerate(todo)))
-    pool.shutdown()
+        await asyncio.gather(*(one(p) for p in todo))
+    service.pool.shutdown()
     print(f"wrote {len(todo)} results to {args.output} ({len(done)} already there)", file=sys.stderr)
     return 0
+
+
+def cmd_batch(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    """``thinkpool batch``."""
+    return asyncio.run(run_batch(check_args(args, parser)))
 
 
 def main(argv: list[str] | None = None) -> int:

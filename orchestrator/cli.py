@@ -7,74 +7,9 @@ import importlib
 import os
 import sys
 from pathlib import Path
-from typing import Callable
 
+from orchestrator.arguments import bounded, byte_size, fixed_config, k_range, sample_count
 from orchestrator.settings import DEFAULT_PROFILE, get_settings
-
-
-def bounded(kind: Callable, low: float | None = None, high: float | None = None) -> Callable:
-    """An argparse type that converts with ``kind`` and enforces ``low <= value <= high``."""
-
-    def convert(text: str):
-        try:
-            value = kind(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected {kind.__name__}, got {text!r}") from None
-        if (low is not None and value < low) or (high is not None and value > high):
-            span = f"between {low} and {high}" if high is not None else f">= {low}"
-            raise argparse.ArgumentTypeError(f"must be {span}, got {text}")
-        return value
-
-    return convert
-
-
-def k_range(text: str) -> tuple[int, int]:
-    low, _, high = text.partition("-")
-    try:
-        k_min, k_max = int(low), int(high or low)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected K or KMIN-KMAX, got {text!r}") from None
-    if not 1 <= k_min <= k_max <= 24:
-        raise argparse.ArgumentTypeError(f"k range must lie within 1-24 with KMIN <= KMAX, got {text!r}")
-    return k_min, k_max
-
-
-UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
-
-
-def byte_size(text: str) -> int:
-    """Bytes: ``12000000``, ``12e6``, ``64MiB``, ``1.5GB``."""
-    number = text.strip().lower().rstrip("bikmg")
-    unit = text.strip().lower()[len(number):]
-    try:
-        value = int(float(number) * UNITS[unit])
-    except (ValueError, KeyError):
-        raise argparse.ArgumentTypeError(f"expected bytes such as 12000000, 64MiB or 1.5GB, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1 byte, got {text!r}")
-    return value
-
-
-def fixed_config(text: str) -> tuple[float, int]:
-    """``CRxTHREADS``, e.g. ``8x16``: a fixed compression ratio and thread count."""
-    ratio, _, threads = text.lower().partition("x")
-    try:
-        cr, n = float(ratio), int(threads)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected CRxTHREADS such as 8x16, got {text!r}") from None
-    if not (1 <= cr <= 64 and 1 <= n <= 1024):
-        raise argparse.ArgumentTypeError(f"ratio must lie within 1-64 and threads within 1-1024, got {text!r}")
-    return cr, n
-
-
-def sample_count(maximum: int, word: str = "fit") -> Callable:
-    """``word`` (``fit``: as many threads as the KV pool holds; ``auto``: the controller) or a count in 1..maximum."""
-    count = bounded(int, 1, maximum)
-
-    def convert(text: str):
-        return word if text == word else count(text)
-
-    return convert
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -248,11 +183,13 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-COMMANDS = {  # command -> (module in orchestrator.commands, function); imported only when used
-    "solve": ("solve", "cmd_solve"), "eval": ("evaluate", "cmd_eval"), "bench": ("bench", "cmd_bench"),
-    "serve": ("serve", "cmd_serve"), "batch": ("batch", "cmd_batch"), "calibrate": ("calibrate", "cmd_calibrate"), "info": ("model", "cmd_info"),
-    "generate": ("model", "cmd_generate"), "train": ("model", "cmd_train"), "retrofit": ("model", "cmd_retrofit"),
-    "kv-growth": ("model", "cmd_kv_growth"),
+COMMANDS = {  # command -> (module, function); imported only when used
+    "solve": ("orchestrator.commands.solve", "cmd_solve"), "eval": ("orchestrator.commands.evaluate", "cmd_eval"),
+    "bench": ("orchestrator.commands.bench", "cmd_bench"), "serve": ("orchestrator.commands.serve", "cmd_serve"),
+    "batch": ("orchestrator.batch", "cmd_batch"), "calibrate": ("orchestrator.commands.calibrate", "cmd_calibrate"),
+    "info": ("orchestrator.commands.model", "cmd_info"), "generate": ("orchestrator.commands.model", "cmd_generate"),
+    "train": ("orchestrator.commands.model", "cmd_train"), "retrofit": ("orchestrator.commands.model", "cmd_retrofit"),
+    "kv-growth": ("orchestrator.commands.model", "cmd_kv_growth"),
 }
 
 
@@ -260,7 +197,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     module, function = COMMANDS[args.command]
-    return getattr(importlib.import_module(f"orchestrator.commands.{module}"), function)(args, parser)
+    return getattr(importlib.import_module(module), function)(args, parser)
 
 
 if __name__ == "__main__":

@@ -10,9 +10,11 @@
 * ``dispatch`` opens a round: the first is one greedy thread (``greedy_first``: the model's single most
   likely answer, usually more accurate than any one sampled thread), the next ``first_round`` sampled
   threads; later rounds double;
-* ``run_chunk`` runs a few threads on the workers (one request, prompt shared); each chunk is its own
-  LangGraph task, so its results are saved as pending writes the moment it finishes: a controller killed
-  mid-round and restarted from its checkpoint reruns only the chunks that had not finished;
+* ``run_chunk`` runs a few threads on the workers; each chunk is its own LangGraph task, so its results are
+  saved as pending writes the moment it finishes: a controller killed mid-round and restarted from its
+  checkpoint reruns only the chunks that had not finished. Every chunk of a task, in every round, is a request
+  of one worker task (``task_id``): the prompt, tokenized once by the caller, is prefilled once per ratio and
+  held on one worker until the task ends;
 * ``aggregate`` votes over every thread so far (majority, or confidence-weighted);
 * ``decide`` stops after the greedy thread when the plan is that thread alone (the profile expects no
   sampled vote to beat it) or when it is confident (no token it chose had log-probability below
@@ -26,17 +28,21 @@
 Thread seeds are (task seed, sample index), with sample indices running on across rounds, so a rerun
 chunk is the same threads.
 
-Many tasks at once: give every controller the same :class:`~orchestrator.allocator.ThreadAllocator` and
-each round's chunks wait for their KV bytes there, ranked by the accuracy the round is expected to add
-per byte it reserves, so the workers' memory goes to the tasks where threads buy the most.
+Many tasks at once: give every controller the same allocators (one
+:class:`~orchestrator.allocator.ThreadAllocator` per worker, its capacity that worker's pool). A task holds
+its prompt's bytes on its worker's allocator for its life, and each round's chunks wait there for their
+threads' bytes, ranked by the accuracy the round is expected to add per byte it reserves, so the workers'
+memory goes to the tasks where threads buy the most.
+
+Plan, rounds, escalations and each finished thread are told to ``on_event`` as they happen (live progress).
 """
 
 from __future__ import annotations
 
 import operator
 import os
-from dataclasses import dataclass
-from typing import Annotated, Any, TypedDict
+from dataclasses import asdict, dataclass
+from typing import Annotated, Any, Callable, TypedDict
 
 from langgraph.checkpoint.memory import InMemorySaver
 from langgraph.graph import END, START, StateGraph
@@ -47,7 +53,6 @@ from policies.planner import CalibrationProfile, plan
 from policies.stopping import settled
 from policies.voting import confidence_vote, majority_vote
 from tasks.chain import ProblemError, parse_problem
-from tasks.prompt import format_prompt
 from workers.kv_budget import KVBudgetModel
 from workers.thread import SamplingParams
 from workers.worker import ProblemRequest
@@ -63,9 +68,13 @@ class Budget:
     max_threads: int = 64
 
 
+EventListener = Callable[[str, dict], None]  # (event name, data)
+
+
 class SolveState(TypedDict, total=False):
     task_id: str
     prompt: str
+    prompt_ids: list[int]
     k: int | None
     prompt_tokens: int
     seed: int
@@ -89,23 +98,24 @@ class SolveState(TypedDict, total=False):
 
 class ChunkState(TypedDict):
     task_id: str
-    prompt: str
+    prompt_ids: list[int]
     seed: int
     cr: float
     max_new_tokens: int
     samples: list[int]
     temperature: float
-    kv_bytes: int  # what these threads may grow to (the allocator's unit)
+    kv_bytes: int  # what these threads' own tokens may grow to (the allocator's unit; the prompt is held apart)
+    prompt_bytes: int  # what the task's held prompt at this ratio reserves
     priority: float  # expected accuracy gained per KV byte by the round this chunk belongs to
 
 
 class Controller:
-    def __init__(self, pool, profile: CalibrationProfile, tokenizer, kv_bytes_per_token: int, ratios: list[float],
+    def __init__(self, pool, profile: CalibrationProfile, kv_bytes_per_token: int, ratios: list[float],
                  temperature: float | None = None, first_round: int = 4, threshold: float = 0.95, weighting: str = "majority",
                  greedy_first: bool = True, confident_logprob: float = -0.5, min_gain: float = 0.02,
-                 checkpointer=None, on_chunk=None, allocator: ThreadAllocator | None = None,
+                 checkpointer=None, allocators: list[ThreadAllocator] | None = None,
                  budget_model: KVBudgetModel | None = None):
-        self.pool, self.profile, self.tokenizer = pool, profile, tokenizer
+        self.pool, self.profile = pool, profile
         self.ratios = sorted(ratios)
         # The workers' model (their info's ``budget_model``) counts memory as their admission does; without it,
         # DESIGN's 1/cr at the profile's window.
@@ -119,8 +129,10 @@ class Controller:
         # every token had log-probability >= -0.5 (28 of 60) were 96% right; the other 32, 75%.
         self.greedy_first, self.confident_logprob = greedy_first, confident_logprob
         self.min_gain = min_gain  # escalating past the plan must be expected to add this much accuracy
-        self.on_chunk = on_chunk  # called with (task_id, samples) when a chunk finishes (progress, tests)
-        self.allocator = allocator  # shared by the controllers of tasks that run at once (None: no ranking)
+        self.allocators = allocators  # one per worker, shared by the controllers of tasks that run at once (None: no ranking)
+        self._listeners: dict[str, EventListener] = {}  # task id -> who hears its events
+        # task id -> (its worker's allocator, ratio -> bytes its held prompt holds there)
+        self._prompt_grants: dict[str, tuple[ThreadAllocator, dict[float, int]]] = {}
         self.graph = self._build().compile(checkpointer=checkpointer if checkpointer is not None else make_checkpointer())
 
     # -- the budget model ---------------------------------------------------------------------------
@@ -134,12 +146,17 @@ class Controller:
         return self.budget_model.threads_that_fit(state["kv_budget_bytes"], cr, state["prompt_tokens"], state["max_new_tokens"])
 
     # -- nodes ---------------------------------------------------------------------------------------
+    def _emit(self, task_id: str, name: str, data: dict) -> None:
+        listener = self._listeners.get(task_id)
+        if listener is not None:
+            listener(name, data)
+
     def assess(self, state: SolveState) -> dict:
         try:
             k = parse_problem(state["prompt"].strip()).k
         except ProblemError:
             k = None
-        return {"k": k, "prompt_tokens": len(self.tokenizer(format_prompt(state["prompt"]))["input_ids"])}
+        return {"k": k, "prompt_tokens": len(state["prompt_ids"])}
 
     def plan(self, state: SolveState) -> dict:
         chosen = plan(self.profile, state["k"], state["kv_budget_bytes"],
@@ -147,12 +164,13 @@ class Controller:
                       max_threads=state["max_threads"], temperature=self.temperature)
         # With a greedy first thread, a plan of n sampled threads runs n + 1 threads in all.
         extra = int(self.greedy_first and not chosen.greedy)
+        event = {"event": "plan", "cr": chosen.cr, "threads": chosen.threads, "greedy": chosen.greedy,
+                 "temperature": chosen.temperature, "expected_accuracy": round(chosen.expected_accuracy, 3)}
+        self._emit(state["task_id"], "plan", event)
         return {"cr": chosen.cr, "target_threads": chosen.threads + extra, "max_new_tokens": chosen.max_new_tokens,
                 "temperature": chosen.temperature,
                 "round_size": 1 if self.greedy_first else min(self.first_round, chosen.threads), "next_sample": 0,
-                "plan_greedy": chosen.greedy,
-                "rounds": [{"event": "plan", "cr": chosen.cr, "threads": chosen.threads, "greedy": chosen.greedy,
-                            "temperature": chosen.temperature, "expected_accuracy": round(chosen.expected_accuracy, 3)}]}
+                "plan_greedy": chosen.greedy, "rounds": [event]}
 
     def expected_accuracy(self, state: SolveState, cr: float, threads: int) -> float:
         """What ``threads`` threads of this task are expected to score (the first greedy, if so run)."""
@@ -173,9 +191,10 @@ class Controller:
         gain = (self.expected_accuracy(state, state["cr"], used + len(samples))
                 - self.expected_accuracy(state, state["cr"], used))
         cost = self.kv_bytes(state, state["cr"], len(samples))
-        greedy = self.greedy_round(samples)
+        event = {"event": "round", "cr": state["cr"], "threads": len(samples), "greedy": self.greedy_round(samples)}
+        self._emit(state["task_id"], "round", event)
         return {"round_samples": samples, "next_sample": samples[-1] + 1, "round_priority": gain / cost,
-                "rounds": [{"event": "round", "cr": state["cr"], "threads": len(samples), "greedy": greedy}]}
+                "rounds": [event]}
 
     def greedy_round(self, samples: list[int]) -> bool:
         """Whether a round is the greedy first thread: sample 0, when the controller opens with one."""
@@ -183,32 +202,50 @@ class Controller:
 
     def fan_out(self, state: SolveState) -> list[Send]:
         samples = state["round_samples"]
+        cr, limit = state["cr"], state["max_new_tokens"]
         return [
-            Send("run_chunk", ChunkState(task_id=state["task_id"], prompt=state["prompt"], seed=state["seed"], cr=state["cr"],
-                                         max_new_tokens=state["max_new_tokens"], samples=samples[i : i + CHUNK],
+            Send("run_chunk", ChunkState(task_id=state["task_id"], prompt_ids=state["prompt_ids"], seed=state["seed"], cr=cr,
+                                         max_new_tokens=limit, samples=samples[i : i + CHUNK],
                                          temperature=0.0 if self.greedy_round(samples) else self.sampling_temperature(state),
-                                         kv_bytes=self.kv_bytes(state, state["cr"], len(samples[i : i + CHUNK])),
+                                         kv_bytes=self.budget_model.thread_bytes(cr, limit, len(samples[i : i + CHUNK])),
+                                         prompt_bytes=self.budget_model.prompt_bytes(cr, state["prompt_tokens"]),
                                          priority=state.get("round_priority", 0.0)))
             for i in range(0, len(samples), CHUNK)
         ]
 
     async def run_chunk(self, chunk: ChunkState) -> dict:
+        task_id = chunk["task_id"]
         request = ProblemRequest(
-            f"{chunk['task_id']}:{chunk['samples'][0]}", format_prompt(chunk["prompt"]), tuple(chunk["samples"]),
+            f"{task_id}:{chunk['samples'][0]}", tuple(chunk["prompt_ids"]), tuple(chunk["samples"]),
             SamplingParams(chunk["temperature"], self.top_p, chunk["max_new_tokens"], chunk["seed"]), chunk["cr"],
+            task_id=task_id, keep_task=True,
         )
-        if self.allocator is None:
-            results = await self.pool.collect(request)
+
+        def thread_done(result) -> None:
+            self._emit(task_id, "thread", {"sample": result.sample, "answer": result.answer, "tokens": result.tokens,
+                                           "cr": result.cr, "realized_cr": result.realized_cr})
+
+        if self.allocators is None:
+            results = await self.pool.collect(request, thread_done)
         else:
-            async with self.allocator.grant(chunk["task_id"], chunk.get("kv_bytes", 0), chunk.get("priority", 0.0)):
-                results = await self.pool.collect(request)
-        if self.on_chunk is not None:
-            self.on_chunk(chunk["task_id"], chunk["samples"])
-        return {"threads": [
-            {"sample": r.sample_index, "answer": r.answer, "tokens": r.tokens, "mean_logprob": r.mean_logprob,
-             "min_logprob": r.min_logprob,
-             "realized_cr": r.realized_cr, "kv_cr": r.kv_cr, "cr": r.cr, "finish_reason": r.finish_reason} for r in results
-        ]}
+            allocator = self.allocators[await self.pool.pin(task_id)]
+            async with allocator.grant(task_id, chunk["kv_bytes"], chunk["priority"]):
+                self._hold_prompt(allocator, chunk)
+                results = await self.pool.collect(request, thread_done)
+        self._emit(task_id, "chunk", {"samples": chunk["samples"]})
+        return {"threads": [asdict(r) for r in results]}
+
+    def _hold_prompt(self, allocator: ThreadAllocator, chunk: ChunkState) -> None:
+        """The task's held prompt at this ratio counts on its worker's allocator from its first chunk on."""
+        _, grants = self._prompt_grants.setdefault(chunk["task_id"], (allocator, {}))
+        if chunk["cr"] not in grants:
+            grants[chunk["cr"]] = chunk["prompt_bytes"]
+            allocator.hold(chunk["prompt_bytes"])
+
+    def _release_prompts(self, task_id: str) -> None:
+        allocator, grants = self._prompt_grants.pop(task_id, (None, {}))
+        if allocator is not None:
+            allocator.unhold(sum(grants.values()))
 
     def aggregate(self, state: SolveState) -> dict:
         threads = state["threads"]
@@ -234,7 +271,7 @@ class Controller:
         if state["next_sample"] < state["target_threads"]:
             grown = self.first_round if greedy_round else state["round_size"] * 2
             size = min(grown, state["target_threads"] - state["next_sample"])
-            return {"round_size": size, "rounds": [{"event": "escalate", "more_threads": size}]}
+            return self._escalate(state, {"round_size": size}, {"event": "escalate", "more_threads": size})
         if len(state["votes"]) == 1:  # the plan is done and its threads agree: what the profile expected
             return {"stop_reason": "planned"}
         # The threads disagree and the plan is spent. A higher ratio fits more threads in the same memory, but
@@ -250,12 +287,16 @@ class Controller:
             switch = min(self.fits(state, cr), remaining)
             switched = self.profile.accuracy(state["k"], cr, switch, self.sampling_temperature(state))
             if switched > staying and switched >= now + self.min_gain:
-                return {"cr": cr, "round_size": switch, "target_threads": state["next_sample"] + switch,
-                        "rounds": [{"event": "escalate", "cr": cr, "more_threads": switch}]}
+                return self._escalate(state, {"cr": cr, "round_size": switch, "target_threads": state["next_sample"] + switch},
+                                      {"event": "escalate", "cr": cr, "more_threads": switch})
         if staying < now + self.min_gain:
             return {"stop_reason": "no_expected_gain"}
-        return {"round_size": size, "target_threads": state["next_sample"] + size,
-                "rounds": [{"event": "escalate", "more_threads": size}]}
+        return self._escalate(state, {"round_size": size, "target_threads": state["next_sample"] + size},
+                              {"event": "escalate", "more_threads": size})
+
+    def _escalate(self, state: SolveState, update: dict, event: dict) -> dict:
+        self._emit(state["task_id"], "escalation", event)
+        return {**update, "rounds": [event]}
 
     @staticmethod
     def after_decide(state: SolveState) -> str:
@@ -279,17 +320,28 @@ class Controller:
         return graph
 
     # -- running tasks -------------------------------------------------------------------------------
-    async def solve(self, task_id: str, prompt: str, budget: Budget, seed: int = 0) -> dict[str, Any]:
-        """Run (or, if its checkpoint exists and is unfinished, resume) one task; returns its final state."""
+    async def solve(self, task_id: str, prompt: str, prompt_ids: list[int], budget: Budget, seed: int = 0,
+                    on_event: EventListener | None = None) -> dict[str, Any]:
+        """Run (or, if its checkpoint exists and is unfinished, resume) one task; returns its final state.
+
+        ``prompt_ids`` is the model input, tokenized once by the caller; ``on_event(name, data)`` hears the plan,
+        each round, each escalation and each finished thread as they happen. The task's worker-side state (its
+        held prompt) is the caller's to close (``pool.close_task``)."""
         config = {"configurable": {"thread_id": task_id}, "recursion_limit": 200}
-        snapshot = await self.graph.aget_state(config)
-        if snapshot.values and snapshot.next:  # an interrupted run: continue from the checkpoint
-            return await self.graph.ainvoke(None, config)
-        if snapshot.values and not snapshot.next:  # already finished
-            return snapshot.values
-        initial = SolveState(task_id=task_id, prompt=prompt, seed=seed, kv_budget_bytes=budget.kv_budget_bytes,
-                             max_threads=budget.max_threads, threads=[], rounds=[])
-        return await self.graph.ainvoke(initial, config)
+        if on_event is not None:
+            self._listeners[task_id] = on_event
+        try:
+            snapshot = await self.graph.aget_state(config)
+            if snapshot.values and snapshot.next:  # an interrupted run: continue from the checkpoint
+                return await self.graph.ainvoke(None, config)
+            if snapshot.values and not snapshot.next:  # already finished
+                return snapshot.values
+            initial = SolveState(task_id=task_id, prompt=prompt, prompt_ids=list(prompt_ids), seed=seed,
+                                 kv_budget_bytes=budget.kv_budget_bytes, max_threads=budget.max_threads, threads=[], rounds=[])
+            return await self.graph.ainvoke(initial, config)
+        finally:
+            self._listeners.pop(task_id, None)
+            self._release_prompts(task_id)
 
 
 def make_checkpointer():
@@ -300,15 +352,3 @@ def make_checkpointer():
 
         return RedisSaver.from_url(url)
     return InMemorySaver()
-
-
-def check_budget(profile: CalibrationProfile, kv_bytes_per_token: int, ratios: list[float], prompt_tokens: int,
-                 budget: Budget, budget_model: KVBudgetModel | None = None) -> None:
-    """Raise ``ValueError`` (naming ``kv_budget``) before any work if the budget holds no thread at any ratio."""
-    model = budget_model or KVBudgetModel.nominal(kv_bytes_per_token, ratios, profile.window)
-    needed = min(model.group_bytes(cr, prompt_tokens, profile.max_new_tokens) for cr in ratios)
-    if budget.kv_budget_bytes < needed:
-        raise ValueError(f"kv_budget: {budget.kv_budget_bytes} bytes cannot hold one thread "
-                         f"(the smallest, at {max(ratios):g}x, needs {needed} bytes)")
-    if budget.max_threads < 1:
-        raise ValueError("max_threads: must be at least 1")

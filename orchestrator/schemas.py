@@ -7,6 +7,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from tasks.chain import ProblemError, parse_problem
+from workers.records import ThreadResult
 
 MAX_SAMPLES = 256
 
@@ -22,6 +23,7 @@ class SolveRequest(BaseModel):
     max_tokens: int | None = Field(None, ge=1, le=8192, description="token limit per thread")
     temperature: float | None = Field(None, ge=0, le=5)
     seed: int = Field(0, ge=0, lt=2**62)
+    max_threads: int = Field(32, ge=1, le=MAX_SAMPLES, description="threads the controller may run in all")
     mode: Literal["controller", "fixed"] | None = Field(
         None, description="controller: it picks ratio and threads; fixed: exactly `samples` threads (default: "
                           "controller when samples is 'auto')")
@@ -44,21 +46,10 @@ class SolveRequest(BaseModel):
         return value.strip()
 
 
-class ThreadSummary(BaseModel):
-    sample: int
-    answer: str | None
-    tokens: int
-    mean_logprob: float
-    realized_cr: float
-    kv_cr: float = 1.0  # memory ratio: tokens processed x KV heads / KV entries held
-    cr: float
-    finish_reason: str
-
-
 class SolveResult(BaseModel):
     answer: str | None
     votes: dict[str, int]
-    threads: list[ThreadSummary]
+    threads: list[ThreadResult]
     samples: int
     cr: float
     realized_cr: float
@@ -66,6 +57,7 @@ class SolveResult(BaseModel):
     tokens: int
     time_s: float
     stop_reason: str | None = None
+    rounds: list[dict] = Field(default_factory=list, description="the controller's plan, rounds and escalations")
 
 
 JobState = Literal["queued", "running", "done", "failed", "cancelled"]

@@ -3,7 +3,7 @@
     .venv/bin/python scripts/bench_training.py [--repeats 3] [--tokens 6000]
 
 - precision: a forward and backward pass of the shipped model over ``--tokens`` tokens of hard chain-task
-  examples, in fp32 and under bf16 autocast (which ``dms_runtime/precision.py`` enables only where the CPU
+  examples, in fp32 and under bf16 autocast (which ``training/precision.py`` enables only where the CPU
   computes bf16 natively);
 - attention: DMS training attention (forward and backward, one layer) over one batch of that shape, in the
   dtype training's autocast gives it: through the fused CPU kernel (``dms_runtime/evicting_attention.py``, what
@@ -27,12 +27,12 @@ import torch
 from dms_runtime import attention as dms_attention
 from dms_runtime.attach import attach_dms
 from dms_runtime.attention import _bias_mask_attention, _explicit_attention, eviction_bias, shifted_decisions, straight_through_alpha
-from dms_runtime.chain_data import difficulty_batch
+from training.chain_data import difficulty_batch
 from dms_runtime.config import DMSConfig
 from dms_runtime.evicting_attention import evicting_attention
 from dms_runtime.gates import build_gates
 from dms_runtime.loading import load_model
-from dms_runtime.precision import cpu_has_native_bf16, uses_bf16
+from training.precision import cpu_has_native_bf16, uses_bf16
 
 
 def timed(step) -> float:

@@ -24,8 +24,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from dms_regions import FixedGate
 
 from dms_runtime.attach import attach_dms
-from dms_runtime.chain_data import REGIONS, difficulty_batch
-from dms_runtime.chain_data import token_regions as regions
+from training.chain_data import REGIONS, difficulty_batch
+from training.chain_data import token_regions as regions
 from dms_runtime.config import DMSConfig
 from dms_runtime.loading import default_model_path, load_model
 

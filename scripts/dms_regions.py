@@ -15,7 +15,7 @@ Fresh reference chains of thought of each difficulty in ``--k`` (numbers or rang
 
 One JSON line per setting and difficulty: KL from the base model (nats per chain-of-thought token), argmax
 agreement with it, the memory ratio (tokens processed / held at the end, all heads), and per region
-(``dms_runtime.chain_data.REGIONS``) the agreement and the loss of the reference token. A ``+``/``*``
+(``training.chain_data.REGIONS``) the agreement and the loss of the reference token. A ``+``/``*``
 header's first operand may be either one (both orders are valid), so its loss has a floor; its operator is
 determined, so ``header_op`` is the cleanest read of a prompt lookup.
 """
@@ -33,10 +33,10 @@ from torch import nn
 
 from dms_runtime.adapters import adapter_path, load_gates
 from dms_runtime.attach import DMSHandle, attach_dms
-from dms_runtime.chain_data import IGNORE, REGIONS, Batch, difficulty_batch, token_regions
+from training.chain_data import IGNORE, REGIONS, Batch, difficulty_batch, token_regions
 from dms_runtime.config import DMSConfig
 from dms_runtime.loading import default_model_path, load_model
-from dms_runtime.retrofit import left_window_mask
+from training.retrofit import left_window_mask
 
 
 class FixedGate(nn.Module):

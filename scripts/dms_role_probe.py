@@ -4,7 +4,7 @@
 
 A DMS gate is linear in the (normalised) input of its layer at the position after the token it decides
 about. This fits the same kind of classifier, one per layer, to say whether that token is long-lived
-(prompt or register line, ``dms_runtime.chain_data.LONG_LIVED``), on frozen hidden states of chain-task
+(prompt or register line, ``training.chain_data.LONG_LIVED``), on frozen hidden states of chain-task
 batches, and prints its held-out accuracy and long-lived recall as JSON lines. It backs the retrofit's
 ``cot_roles`` labels: where the probe fails (the first layer, which sees one token's embedding), no
 gate can keep by role.
@@ -18,7 +18,7 @@ import random
 
 import torch
 
-from dms_runtime.chain_data import difficulty_batch, long_lived_mask
+from training.chain_data import difficulty_batch, long_lived_mask
 from dms_runtime.loading import default_model_path, load_model
 
 

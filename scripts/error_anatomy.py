@@ -31,7 +31,7 @@ from tasks.chain import DERIVED, Problem, parse_problem
 from tasks.cot import COMMUTATIVE, line_forms, statement_of, writes_reversed_minus
 from tasks.jsonl import read_jsonl
 from tasks.prompt import format_prompt
-from workers.batch_generate import KVPolicy, SamplingParams, generate_threads
+from evaluation.reference_decode import KVPolicy, SamplingParams, generate_threads
 
 WORK_LINE = ("header", "operands", "facts")
 

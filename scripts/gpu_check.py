@@ -25,8 +25,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from dms_runtime.config import DMSConfig  # noqa: E402
 from dms_runtime.gate_bank import AdapterSet  # noqa: E402
 from dms_runtime.gates import build_gates  # noqa: E402
-from dms_runtime.tokenizer import build_tokenizer  # noqa: E402
-from orchestrator.bench import bench_engine  # noqa: E402
+from tasks.chain_tokenizer import build_tokenizer  # noqa: E402
+from evaluation.benchmarks import bench_engine  # noqa: E402
 from workers.engine import Engine  # noqa: E402
 from workers.thread import SamplingParams, StopRule  # noqa: E402
 

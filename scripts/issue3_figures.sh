@@ -25,7 +25,7 @@ mkdir -p "$OUT" runs
 .venv/bin/python - "$OUT" <<'PY'
 import json
 import sys
-from orchestrator.plots import plot_pareto
+from evaluation.plots import plot_pareto
 out = sys.argv[1]
 runs = [json.load(open(f"{out}/{name}.json")) for name in ("farback_vanilla", "farback_dms4", "farback_dms8")]
 presses = json.load(open(f"{out}/farback_presses_8x.json"))

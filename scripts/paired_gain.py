@@ -16,7 +16,7 @@ import json
 import random
 from pathlib import Path
 
-from orchestrator.kv_growth import quantile
+from training.measure_kv_growth import quantile
 from policies.extraction import answers_match
 from vote_curve import kept_threads, read_records, vote  # this folder's script: the eval's vote over kept threads
 
@@ -64,7 +64,7 @@ def main() -> None:
         report["draws"].append({"label": label, "a_file": a_path, "b_file": b_path, **summary(pairs, args.resamples, rng)})
     report["pooled"] = summary(pooled, args.resamples, rng)
     if args.plot:
-        from orchestrator.plots import plot_paired_gain
+        from evaluation.plots import plot_paired_gain
 
         plot_paired_gain(report, args.plot)
     print(json.dumps(report, indent=1))

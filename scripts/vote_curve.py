@@ -15,7 +15,7 @@ import json
 import random
 from pathlib import Path
 
-from orchestrator.plots import plot_vote_curves
+from evaluation.plots import plot_vote_curves
 from policies.extraction import answers_match
 from policies.voting import majority_vote
 from tasks.jsonl import read_jsonl

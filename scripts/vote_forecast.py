@@ -38,8 +38,8 @@ sys.path.insert(0, str(Path(__file__).parent))
 from header_probe import HeaderRead, read_headers  # noqa: E402
 
 from dms_runtime.loading import default_model_path, load_model  # noqa: E402
-from dms_runtime.tokenizer import writes_reversed_minus_lines  # noqa: E402
-from orchestrator.plots import plot_vote_forecast  # noqa: E402
+from tasks.chain_tokenizer import writes_reversed_minus_lines  # noqa: E402
+from evaluation.plots import plot_vote_forecast  # noqa: E402
 from tasks.chain import Problem, parse_problem  # noqa: E402
 from tasks.cot import REVERSED_MINUS  # noqa: E402
 from tasks.jsonl import read_jsonl  # noqa: E402

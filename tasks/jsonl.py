@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 from pathlib import Path
 from typing import Iterable
@@ -59,3 +60,10 @@ def write_jsonl(path: str | Path, records: Iterable[dict]) -> None:
     with Path(path).open("w", encoding="utf-8") as handle:
         for record in records:
             handle.write(json.dumps(record) + "\n")
+
+
+def problem_seed(seed: int, problem_id: str) -> int:
+    """The seed of one problem in a run seeded ``seed``: from its id, not its position, so a resumed run, a
+    subset or a reordered file gives each problem the threads a full run would have."""
+    digest = hashlib.sha256(f"{seed}:{problem_id}".encode()).digest()
+    return int.from_bytes(digest[:8], "big") % (2**62)

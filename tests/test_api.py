@@ -148,7 +148,7 @@ def test_sdk_clients_and_agent_tool(server):
 
 
 def test_bench_load_against_the_server(server):
-    from orchestrator.bench import bench_load
+    from evaluation.benchmarks import bench_load
 
     report = asyncio.run(bench_load(server, concurrency=8, requests=24, samples=1, api_key="secret-key"))
     assert report["ok"] == 24 and report["lost"] == 0 and report["server_errors"] == 0

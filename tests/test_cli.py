@@ -145,7 +145,7 @@ def test_bench_controller_rejects_a_ratio_without_an_adapter(easy_file):
 
 
 def test_compare_to_fixed_picks_the_most_accurate_then_the_cheapest():
-    from orchestrator.bench import compare_to_fixed
+    from evaluation.benchmarks import compare_to_fixed
 
     fixed = [{"method": "1x4", "accuracy": 0.7, "tokens_generated": 1000},
              {"method": "8x16", "accuracy": 0.8, "tokens_generated": 4000},

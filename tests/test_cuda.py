@@ -35,7 +35,7 @@ def test_bf16_cuda_generation_and_training_step(kind):
 def test_engine_on_cuda_in_bf16_mixes_ratios_within_its_pool():
     from test_dms import tiny
     from test_engine import PROMPTS, engine_for, random_gates
-    from dms_runtime.tokenizer import build_tokenizer
+    from tasks.chain_tokenizer import build_tokenizer
     from workers.thread import SamplingParams
 
     tokenizer = build_tokenizer()
@@ -43,7 +43,7 @@ def test_engine_on_cuda_in_bf16_mixes_ratios_within_its_pool():
     engine = engine_for(model, tokenizer, {4: random_gates(model, window=3, seed=2)}, budget=400_000)
     assert engine.pool.keys.is_cuda and engine.pool.keys.dtype == torch.bfloat16
     for i, prompt in enumerate(PROMPTS):
-        engine.submit(f"{i}", prompt, [0, 1, 2], SamplingParams(temperature=0.8, max_new_tokens=64, seed=i), cr=4 if i % 2 else 1)
+        engine.submit(f"{i}", engine.encode(prompt), [0, 1, 2], SamplingParams(temperature=0.8, max_new_tokens=64, seed=i), cr=4 if i % 2 else 1)
     results = engine.run()
     assert len(results) == 9 and all(r.tokens == 64 for r in results)
     assert engine.pool.high_water <= engine.pool.capacity and engine.pool.used == 0

@@ -10,7 +10,7 @@ from dms_runtime.attention import _bias_mask_attention, _explicit_attention, evi
 from dms_runtime.config import DMSConfig
 from dms_runtime.evicting_attention import evicting_attention
 from dms_runtime.gates import build_gates
-from dms_runtime.retrofit import RetrofitConfig, target_ratio
+from training.retrofit import RetrofitConfig, target_ratio
 
 VOCAB = 51  # the chain tokenizer's size, so tiny models can decode real prompts
 
@@ -95,8 +95,8 @@ def test_schedule_ramps_every_ratio_linearly_then_holds():
 def test_retrofit_batches_write_minus_lines_as_the_base_model_was_trained():
     """A retrofit distils on the base model's own chain of thought: ``-`` lines read from the right only for a base
     whose tokenizer holds ``~`` (the shipped model's: ``configs/train_reversed_minus.yaml``), never for the first one's."""
-    from dms_runtime.retrofit import chain_batch
-    from dms_runtime.tokenizer import build_tokenizer
+    from training.retrofit import chain_batch
+    from tasks.chain_tokenizer import build_tokenizer
 
     config = RetrofitConfig(any_order=True, k_min=12, k_max=12, tokens_per_batch=4000)
     for reversed_minus in (False, True):
@@ -106,7 +106,7 @@ def test_retrofit_batches_write_minus_lines_as_the_base_model_was_trained():
 
 
 def test_learning_rates_hold_then_decay_linearly_to_zero_over_the_last_steps():
-    from dms_runtime.retrofit import lr_scale
+    from training.retrofit import lr_scale
 
     config = RetrofitConfig(ramp_steps=10, hold_steps=10, lr_decay_steps=8)
     assert [lr_scale(step, config) for step in (0, 11, 12)] == [1.0, 1.0, 1.0]
@@ -234,9 +234,9 @@ def test_kvpress_press_matches_the_dms_cache(kind, tmp_path):
 
 @pytest.mark.parametrize("method", ["window", "streaming", "tova", "h2o", "knorm", "snapkv"])
 def test_baselines_hold_the_cache_to_their_ratio(method):
-    from dms_runtime.baselines import HeldRatioPress
-    from dms_runtime.tokenizer import build_tokenizer
-    from workers.batch_generate import KVPolicy, SamplingParams, generate_group
+    from evaluation.baselines import HeldRatioPress
+    from tasks.chain_tokenizer import build_tokenizer
+    from evaluation.reference_decode import KVPolicy, SamplingParams, generate_group
 
     model = tiny("qwen3")
     press = HeldRatioPress(method=method, compression=4.0, interval=4)
@@ -265,8 +265,8 @@ def test_fingerprint_ignores_dtype_but_not_weights():
 def test_retrofit_on_a_tiny_model_trains_every_ratio_and_resumes(tmp_path, full_finetune):
     from dms_runtime.adapters import load_adapter
     from dms_runtime.loading import load_model
-    from dms_runtime.retrofit import RetrofitConfig, eviction_target, held_tokens, retrofit
-    from dms_runtime.tokenizer import build_tokenizer
+    from training.retrofit import RetrofitConfig, eviction_target, held_tokens, retrofit
+    from tasks.chain_tokenizer import build_tokenizer
 
     tokenizer = build_tokenizer()
     model = tiny("qwen3")
@@ -295,8 +295,8 @@ def test_retrofit_on_a_tiny_model_trains_every_ratio_and_resumes(tmp_path, full_
 def test_retrofit_continues_from_a_finished_runs_export(tmp_path):
     from dms_runtime.adapters import load_gates
     from dms_runtime.loading import load_model
-    from dms_runtime.retrofit import RetrofitConfig, retrofit
-    from dms_runtime.tokenizer import build_tokenizer
+    from training.retrofit import RetrofitConfig, retrofit
+    from tasks.chain_tokenizer import build_tokenizer
 
     tokenizer = build_tokenizer()
     tiny("qwen3").save_pretrained(tmp_path / "base")
@@ -348,7 +348,7 @@ def test_probe_mode_is_the_vanilla_model_and_reports_far_attention(kind):
 
 
 def test_far_attention_labels_evict_the_least_read_keys_at_the_fraction():
-    from dms_runtime.labels import far_attention_labels
+    from training.gate_labels import far_attention_labels
 
     far = [torch.tensor([[[0.5, 0.01, 0.02, 0.9, 0.03, 0.2, 0.0, 0.0]]])]  # 1 layer, 1 row, 1 head, T = 8
     labels, weights, eligible = far_attention_labels(far, torch.tensor([8]), window=1, fraction=0.5)
@@ -363,8 +363,8 @@ def test_far_attention_labels_evict_the_least_read_keys_at_the_fraction():
 
 
 def test_token_regions_find_the_long_lived_values_of_a_chain_of_thought():
-    from dms_runtime.chain_data import IGNORE, token_regions
-    from dms_runtime.tokenizer import build_tokenizer
+    from training.chain_data import IGNORE, token_regions
+    from tasks.chain_tokenizer import build_tokenizer
 
     tokenizer = build_tokenizer()
     prompt, cot = "a=7;?a", "a:07\nc=a+b|a:07+b:42|7+2=09\nc:49\n#49"
@@ -379,7 +379,7 @@ def test_token_regions_find_the_long_lived_values_of_a_chain_of_thought():
 
 
 def test_role_labels_keep_long_lived_tokens_whole_in_the_pairs_that_read_them_most():
-    from dms_runtime.labels import RoleLabels, eligible_mask, fit_label_threshold, label_ratio, pair_bonus
+    from training.gate_labels import RoleLabels, eligible_mask, fit_label_threshold, label_ratio, pair_bonus
 
     # layer 0 never gets a band (its gates cannot see roles); the rest are ranked by how much they read
     bonus = pair_bonus(torch.tensor([[0.9, 0.9], [0.1, 0.3], [0.2, 0.05]]))
@@ -434,9 +434,9 @@ def inference_decisions(model_dir, adapter, batch) -> tuple[torch.Tensor, DMSCon
 def test_gate_warm_start_moves_the_gates_to_the_eviction_target(tmp_path):
     import random
 
-    from dms_runtime.chain_data import difficulty_batch
-    from dms_runtime.retrofit import RetrofitConfig, evicted_fraction, eviction_target, retrofit, sample_lengths
-    from dms_runtime.tokenizer import build_tokenizer
+    from training.chain_data import difficulty_batch
+    from training.retrofit import RetrofitConfig, evicted_fraction, eviction_target, retrofit, sample_lengths
+    from tasks.chain_tokenizer import build_tokenizer
 
     tokenizer = build_tokenizer()
     tiny("llama").save_pretrained(tmp_path / "base")
@@ -455,8 +455,8 @@ def test_gate_warm_start_moves_the_gates_to_the_eviction_target(tmp_path):
 
 
 def test_retrofit_batches_follow_the_base_models_chain_of_thought_order():
-    from dms_runtime.retrofit import chain_batch
-    from dms_runtime.tokenizer import build_tokenizer
+    from training.retrofit import chain_batch
+    from tasks.chain_tokenizer import build_tokenizer
 
     tokenizer = build_tokenizer()
     plain = RetrofitConfig(k_min=8, k_max=8, tokens_per_batch=1500)
@@ -478,10 +478,10 @@ def test_frozen_gates_need_full_finetuning():
 def test_supervised_role_gates_keep_long_lived_tokens_rather_than_scratch(tmp_path):
     import random
 
-    from dms_runtime.chain_data import difficulty_batch, long_lived_mask
-    from dms_runtime.labels import left_window_mask
-    from dms_runtime.retrofit import RetrofitConfig, retrofit
-    from dms_runtime.tokenizer import build_tokenizer
+    from training.chain_data import difficulty_batch, long_lived_mask
+    from training.gate_labels import left_window_mask
+    from training.retrofit import RetrofitConfig, retrofit
+    from tasks.chain_tokenizer import build_tokenizer
 
     tokenizer = build_tokenizer()
     tiny("qwen3").save_pretrained(tmp_path / "base")

@@ -1,6 +1,8 @@
 """The engine on tiny random models: equivalence with Hugging Face and with the DMS cache, mixed ratios in
 one batch, seeds, a pool that is never overrun, preemption and resume, cancel, budget errors."""
 
+import math
+
 import pytest
 import torch
 
@@ -9,7 +11,7 @@ from dms_runtime.gate_bank import AdapterSet
 from dms_runtime.gates import build_gates
 from dms_runtime.kv_growth import KVGrowth
 from dms_runtime.attach import attach_dms
-from dms_runtime.tokenizer import build_tokenizer
+from tasks.chain_tokenizer import build_tokenizer
 from workers.engine import BudgetError, Engine
 from workers.kv_budget import KVBudgetModel, group_tokens_per_head, threads_that_fit
 from workers.thread import SamplingParams
@@ -24,6 +26,11 @@ NO_STOP = 10**6  # tiny random models never say EOS by design; make sure "#" doe
 @pytest.fixture(scope="module")
 def tokenizer():
     return build_tokenizer()
+
+
+def ids(prompt: str) -> list[int]:
+    """A prompt's token ids: the engine takes tokenized prompts."""
+    return build_tokenizer()(prompt)["input_ids"]
 
 
 def random_gates(model, window: int, seed: int, per_head: bool = True, offset: float = 0.0):
@@ -52,7 +59,7 @@ def engine_for(model, tokenizer, adapters=None, budget=2_000_000, max_running=64
 
 
 def texts(results):
-    return {(r.problem_id, r.sample_index): r.text for r in results}
+    return {(r.problem_id, r.sample): r.text for r in results}
 
 
 @pytest.mark.parametrize("kind", ["qwen3", "llama"])
@@ -60,11 +67,11 @@ def test_cr1_greedy_matches_hugging_face_generate(kind, tokenizer):
     model = tiny(kind)
     expected = {(str(i), 0): hf_greedy(model, tokenizer, prompt) for i, prompt in enumerate(PROMPTS)}
     engine = engine_for(model, tokenizer)
-    engine.submit("0", PROMPTS[0], [0], GREEDY)
+    engine.submit("0", ids(PROMPTS[0]), [0], GREEDY)
     engine.step(), engine.step()  # the others join a batch that is already running
-    engine.submit("1", PROMPTS[1], [0], GREEDY)
+    engine.submit("1", ids(PROMPTS[1]), [0], GREEDY)
     engine.step()
-    engine.submit("2", PROMPTS[2], [0], GREEDY)
+    engine.submit("2", ids(PROMPTS[2]), [0], GREEDY)
     assert texts(engine.run()) == expected
 
 
@@ -82,7 +89,7 @@ def test_dms_rows_match_the_dms_cache_and_ratios_mix_in_one_batch(kind, per_head
     engine = engine_for(model, tokenizer, adapters)
     for cr in adapters:
         for i, prompt in enumerate(PROMPTS):
-            engine.submit(f"{i}@{cr}", prompt, [0], GREEDY, cr=cr)
+            engine.submit(f"{i}@{cr}", ids(prompt), [0], GREEDY, cr=cr)
     results = engine.run()
     assert texts(results) == expected
     assert all(r.realized_cr > 1.2 for r in results)  # the gates really evicted
@@ -94,12 +101,12 @@ def test_same_seed_same_thread_whatever_shares_the_batch(tokenizer):
     model = tiny("qwen3")
     sampled = SamplingParams(temperature=1.0, top_p=0.9, max_new_tokens=30, seed=7)
     alone = engine_for(model, tokenizer)
-    alone.submit("p", PROMPTS[1], [3], sampled)
+    alone.submit("p", ids(PROMPTS[1]), [3], sampled)
     alone_text = texts(alone.run())[("p", 3)]
     alone.close()
     crowd = engine_for(model, tokenizer)
-    crowd.submit("q", PROMPTS[0], list(range(5)), SamplingParams(temperature=0.7, max_new_tokens=30, seed=1))
-    crowd.submit("p", PROMPTS[1], [0, 1, 2, 3], sampled)
+    crowd.submit("q", ids(PROMPTS[0]), list(range(5)), SamplingParams(temperature=0.7, max_new_tokens=30, seed=1))
+    crowd.submit("p", ids(PROMPTS[1]), [0, 1, 2, 3], sampled)
     together = texts(crowd.run())
     assert alone_text == together[("p", 3)]
     assert len({together[("p", i)] for i in range(4)}) > 1  # different threads really differ
@@ -109,7 +116,7 @@ def test_shared_prompt_is_prefilled_once_and_referenced_by_every_thread(tokenize
     model = tiny("qwen3")
     engine = engine_for(model, tokenizer)
     prompt_tokens = len(tokenizer(PROMPTS[1])["input_ids"])
-    engine.submit("p", PROMPTS[1], list(range(8)), SamplingParams(temperature=1.0, max_new_tokens=30))
+    engine.submit("p", ids(PROMPTS[1]), list(range(8)), SamplingParams(temperature=1.0, max_new_tokens=30))
     engine.step()  # prefill + first token of all 8 threads, then one decode step
     slots_per_token = engine.slots_per_token
     # shared prompt once, plus each thread's own first generated token
@@ -126,8 +133,8 @@ def test_threads_sharing_a_prefill_reserve_its_prompt_once(tokenizer):
     # Room for the prompt once and four threads' own tokens: four start together (counting the prompt per
     # thread, three would), and they finish without a preemption.
     engine = engine_for(model, tokenizer, budget=(prompt_tokens + 4 * 30) * token_bytes)
-    assert engine.fit(PROMPTS[1], params, 1.0) == 4
-    engine.submit("p", PROMPTS[1], list(range(5)), params)
+    assert engine.fit(ids(PROMPTS[1]), params, 1.0) == 4
+    engine.submit("p", ids(PROMPTS[1]), list(range(5)), params)
     engine.step()
     assert len(engine.scheduler.running) == 4 and len(engine.scheduler.waiting) == 1
     results = engine.run()
@@ -140,7 +147,7 @@ def test_pool_is_never_overrun_and_preempted_threads_resume_identically(tokenize
     model = tiny("qwen3")
     roomy = engine_for(model, tokenizer)
     for i in range(6):
-        roomy.submit(str(i), PROMPTS[i % 3], [0, 1], SamplingParams(temperature=0.8, max_new_tokens=60, seed=i))
+        roomy.submit(str(i), ids(PROMPTS[i % 3]), [0, 1], SamplingParams(temperature=0.8, max_new_tokens=60, seed=i))
     expected = texts(roomy.run())
     roomy.close()
     slot_bytes = roomy.pool.slot_bytes * roomy.slots_per_token
@@ -149,7 +156,7 @@ def test_pool_is_never_overrun_and_preempted_threads_resume_identically(tokenize
     # Admission trusts a growth estimate far too low: threads keep ten times what it reserves.
     tight.scheduler.budget_model = KVBudgetModel(tight.budget_model.kv_bytes_per_token, growths={1.0: KVGrowth(0.1, 0.1)})
     for i in range(6):
-        tight.submit(str(i), PROMPTS[i % 3], [0, 1], SamplingParams(temperature=0.8, max_new_tokens=60, seed=i))
+        tight.submit(str(i), ids(PROMPTS[i % 3]), [0, 1], SamplingParams(temperature=0.8, max_new_tokens=60, seed=i))
     peak_used = 0
     results = []
     while tight.has_work():
@@ -166,8 +173,8 @@ def test_pool_is_never_overrun_and_preempted_threads_resume_identically(tokenize
 def test_cancel_frees_memory_at_once(tokenizer):
     model = tiny("qwen3")
     engine = engine_for(model, tokenizer)
-    engine.submit("keep", PROMPTS[0], [0], GREEDY)
-    engine.submit("drop", PROMPTS[1], list(range(6)), SamplingParams(temperature=1.0, max_new_tokens=40))
+    engine.submit("keep", ids(PROMPTS[0]), [0], GREEDY)
+    engine.submit("drop", ids(PROMPTS[1]), list(range(6)), SamplingParams(temperature=1.0, max_new_tokens=40))
     for _ in range(5):
         engine.step()
     before = engine.pool.used
@@ -185,13 +192,14 @@ def test_evicted_slots_return_to_the_pool_while_decoding(tokenizer):
         gate.weight.data.zero_()
         object.__setattr__(gate.config, "init_offset", 10.0)
     engine = engine_for(model, tokenizer, {8: (gates, config)})
-    engine.submit("p", PROMPTS[0], [0, 1], SamplingParams(temperature=1.0, max_new_tokens=200), cr=8)
+    engine.submit("p", ids(PROMPTS[0]), [0, 1], SamplingParams(temperature=1.0, max_new_tokens=200), cr=8)
     used = []
     while engine.has_work():
         engine.step()
         used.append(engine.pool.used)
-    # Window + the undecided newest token, per head and layer and thread, whatever the length.
-    assert max(used[5:]) <= 2 * (4 + 2) * engine.slots_per_token
+    # Window + the undecided newest token, per head and layer and thread, whatever the length; and the task's held
+    # prompt, whose last window of tokens its own row never gets past.
+    assert max(used[5:]) <= (2 + 1) * (4 + 2) * engine.slots_per_token
     assert engine.tokens_generated == 2 * 200
 
 
@@ -199,10 +207,10 @@ def test_a_budget_too_small_for_one_thread_is_refused_before_any_work(tokenizer)
     model = tiny("qwen3")
     engine = engine_for(model, tokenizer, budget=20_000)
     with pytest.raises(BudgetError, match="kv_budget"):
-        engine.submit("p", PROMPTS[0], [0], SamplingParams(max_new_tokens=500))
+        engine.submit("p", ids(PROMPTS[0]), [0], SamplingParams(max_new_tokens=500))
     assert not engine.has_work()
     with pytest.raises(ValueError, match="no DMS adapter for 8x"):
-        engine.submit("p", PROMPTS[0], [0], GREEDY, cr=8)
+        engine.submit("p", ids(PROMPTS[0]), [0], GREEDY, cr=8)
 
 
 def test_gpu_check_script_runs_as_a_smoke_test_on_the_cpu():
@@ -225,7 +233,7 @@ def test_gpu_check_script_runs_as_a_smoke_test_on_the_cpu():
 def test_tables_shrink_when_rows_leave(tokenizer):
     model = tiny("qwen3")
     engine = engine_for(model, tokenizer, {})
-    engine.submit("long", PROMPTS[0], [0, 1], GREEDY)
+    engine.submit("long", ids(PROMPTS[0]), [0, 1], GREEDY)
     for _ in range(5):
         engine.step()
     assert engine.cache.layers[0].table.shape[2] > 0
@@ -236,21 +244,22 @@ def test_tables_shrink_when_rows_leave(tokenizer):
 def test_the_budget_model_counts_a_shared_prompt_once_and_each_thread_at_its_growth():
     vanilla = KVGrowth.nominal(1)
     assert group_tokens_per_head(100, [50, 50, 50], 0, vanilla) == 100 + 3 * 50
-    # One thread at the nominal 8x: DESIGN's w + (P + L - w) / CR, up to rounding.
-    assert abs(group_tokens_per_head(100, [900], 32, KVGrowth.nominal(8)) - (32 + (100 + 900 - 32) / 8)) <= 2
+    # One thread at the nominal 8x: DESIGN's w + (P + L - w) / CR, and the window of the task's held prompt (its row
+    # stays at the prompt's end, where the last w + 1 prompt tokens are still visible to a thread starting there).
+    assert group_tokens_per_head(100, [900], 32, KVGrowth.nominal(8)) == (33 + math.ceil(67 / 8)) + (33 + math.ceil(867 / 8))
     measured = KVGrowth(prompt=0.8, generated=0.05)  # what trained gates do: keep the prompt, drop the scratch
-    assert group_tokens_per_head(100, [900, 900], 32, measured) == 80 + 2 * (33 + 44)
+    assert group_tokens_per_head(100, [900, 900], 32, measured) == (33 + 54) + 2 * (33 + 44)
     assert threads_that_fit(4000, 100, 900, 32, measured) > 1.5 * threads_that_fit(4000, 100, 900, 32, KVGrowth.nominal(8))
-    # A thread shorter than its window still has prompt tokens inside the window: those are held whole.
-    assert group_tokens_per_head(100, [10], 32, measured) == 23 + 62 + 10
+    # However short the threads, the held prompt's last window is whole and the rest at its kept fraction.
+    assert group_tokens_per_head(100, [10], 32, measured) == (33 + 54) + 10
 
 
 def test_threads_report_what_their_gates_kept(tokenizer):
     model = tiny("qwen3", seed=1)
     engine = engine_for(model, tokenizer, {4: random_gates(model, window=3, seed=2)})
     params = SamplingParams(temperature=1.0, max_new_tokens=40)
-    engine.submit("dms", PROMPTS[2], [0, 1], params, cr=4)
-    engine.submit("vanilla", PROMPTS[2], [0], params)
+    engine.submit("dms", ids(PROMPTS[2]), [0, 1], params, cr=4)
+    engine.submit("vanilla", ids(PROMPTS[2]), [0], params)
     results = {r.problem_id: r for r in engine.run()}
     assert results["vanilla"].prompt_kept == results["vanilla"].generated_kept == 1.0
     dms = results["dms"]
@@ -269,14 +278,14 @@ def test_a_threads_kept_curve_is_what_it_held_when_it_was_that_long(tokenizer):
     model = tiny("qwen3", seed=1)
     adapters = {4: random_gates(model, window=3, seed=2)}
     long_run = engine_for(model, tokenizer, adapters)
-    long_run.submit("p", PROMPTS[2], [0], SamplingParams(temperature=1.0, max_new_tokens=140, seed=5), cr=4)
+    long_run.submit("p", ids(PROMPTS[2]), [0], SamplingParams(temperature=1.0, max_new_tokens=140, seed=5), cr=4)
     [long] = long_run.run()
     long_run.close()
     curve = dict(long.generated_kept_curve)
     assert sorted(curve) == [32, 64, 128]  # 140 tokens: 135 past the window of 3 (the last one is never fed back)
     for p in (32, 64):
         short_run = engine_for(model, tokenizer, adapters)
-        short_run.submit("p", PROMPTS[2], [0], SamplingParams(temperature=1.0, max_new_tokens=p + 3 + 2, seed=5), cr=4)
+        short_run.submit("p", ids(PROMPTS[2]), [0], SamplingParams(temperature=1.0, max_new_tokens=p + 3 + 2, seed=5), cr=4)
         [short] = short_run.run()
         short_run.close()
         assert long.text.startswith(short.text)
@@ -293,7 +302,7 @@ def test_a_growth_curve_reserves_what_threads_of_that_length_kept():
     assert KVGrowth(0.8, 0.1).kept_generated(100) == pytest.approx(10)  # no curve: the long-run fraction
     # A short thread is reserved at its length's fraction, a long one near the long-run fraction.
     flat = KVGrowth(0.8, 0.2)
-    assert group_tokens_per_head(100, [60], 32, curve) == 80 + 33 + 14  # 27 past the window at 0.5
+    assert group_tokens_per_head(100, [60], 32, curve) == (33 + 54) + 33 + 14  # 27 past the window at 0.5
     assert group_tokens_per_head(100, [161], 32, curve) == group_tokens_per_head(100, [161], 32, flat)
     assert KVBudgetModel.from_dict(KVBudgetModel(3072, {4.0: 32}, {4.0: curve}).as_dict()).growth(4.0) == curve
 
@@ -303,22 +312,68 @@ def test_a_measured_growth_admits_more_threads_and_the_pool_still_holds(tokenize
     adapters = {4: random_gates(model, window=3, seed=2, offset=4.0)}  # keeps far less than a quarter
     params = SamplingParams(temperature=1.0, max_new_tokens=60, seed=3)
     probe = engine_for(model, tokenizer, adapters)
-    probe.submit("probe", PROMPTS[2], list(range(4)), params, cr=4)
+    probe.submit("probe", ids(PROMPTS[2]), list(range(4)), params, cr=4)
     kept = probe.run()
     growth = KVGrowth(max(r.prompt_kept for r in kept), max(r.generated_kept for r in kept))
     token_bytes = probe.pool.slot_bytes * probe.slots_per_token
     probe.close()
     budget = 60 * token_bytes
     nominal = engine_for(model, tokenizer, adapters, budget=budget)
-    fits_nominal = nominal.fit(PROMPTS[2], params, 4)
+    fits_nominal = nominal.fit(ids(PROMPTS[2]), params, 4)
     nominal.close()
     engine = Engine(model, tokenizer, AdapterSet(model, adapters, {4: growth}), kv_budget_bytes=budget)
     engine.stop = type(engine.stop)(eos=NO_STOP)
-    fits = engine.fit(PROMPTS[2], params, 4)
+    fits = engine.fit(ids(PROMPTS[2]), params, 4)
     assert fits > fits_nominal >= 1
-    engine.submit("p", PROMPTS[2], list(range(fits)), params, cr=4)
+    engine.submit("p", ids(PROMPTS[2]), list(range(fits)), params, cr=4)
     engine.step()
     assert len(engine.scheduler.running) == fits  # all admitted at once
     results = engine.run()
-    assert sorted(r.sample_index for r in results) == list(range(fits))
+    assert sorted(r.sample for r in results) == list(range(fits))
     assert engine.pool.high_water <= engine.pool.capacity and engine.pool.used == 0
+
+
+def test_a_kept_task_prefills_its_prompt_once_across_requests_and_reports_its_own_peak(tokenizer):
+    """A controller's chunks and rounds are requests of one task: the prompt is prefilled once and held until
+    the task closes, later threads are the same threads a single request would have run, and each result
+    carries its task's KV peak, not another task's."""
+    model = tiny("qwen3")
+    adapters = {4: random_gates(model, window=3, seed=2)}
+    params = SamplingParams(temperature=1.0, max_new_tokens=30, seed=4)
+    together = engine_for(model, tokenizer, adapters)
+    together.submit("all", ids(PROMPTS[1]), [0, 1, 2, 3], params, cr=4)
+    expected = {r.sample: r.text for r in together.run()}
+    together.close()
+
+    engine = engine_for(model, tokenizer, adapters)
+    engine.submit("round-1", ids(PROMPTS[1]), [0, 1], params, cr=4, task_id="task", keep=True)
+    first = engine.run()
+    assert engine.pool.used > 0  # the held prompt outlives the request
+    engine.submit("round-2", ids(PROMPTS[1]), [2, 3], params, cr=4, task_id="task", keep=True)
+    engine.submit("other", ids(PROMPTS[2]), [0], GREEDY)  # a task of its own, closed with its last thread
+    results = first + engine.run()
+    assert engine.prompt_prefills == 2  # "task" once across both rounds, "other" once
+    assert {r.sample: r.text for r in results if r.problem_id.startswith("round")} == expected
+    task_peak = max(r.kv_peak_bytes for r in results if r.problem_id.startswith("round"))
+    other_peak = next(r.kv_peak_bytes for r in results if r.problem_id == "other")
+    per_token = engine.budget_model.kv_bytes_per_token
+    assert len(ids(PROMPTS[2])) * per_token < other_peak <= (len(ids(PROMPTS[2])) + 40) * per_token  # vanilla keeps all
+    # Each task counts its own slots: together they explain the pool's peak, and neither exceeds it.
+    assert 0 < max(task_peak, other_peak) <= engine.pool.high_water_bytes <= task_peak + other_peak
+    engine.close_task("task")
+    assert engine.pool.used == 0 and not engine.tasks and not engine.scheduler.held
+
+
+def test_cancelling_a_task_stops_all_its_requests_and_frees_its_prompt(tokenizer):
+    model = tiny("qwen3")
+    engine = engine_for(model, tokenizer)
+    params = SamplingParams(temperature=1.0, max_new_tokens=200)
+    engine.submit("a", ids(PROMPTS[0]), [0, 1], params, task_id="task", keep=True)
+    engine.submit("b", ids(PROMPTS[0]), [2, 3], params, task_id="task", keep=True)
+    engine.submit("keep", ids(PROMPTS[1]), [0], GREEDY)
+    for _ in range(5):
+        engine.step()
+    assert engine.close_task("task") == 4
+    assert {t.problem_id for t in engine.rows} == {"keep"}
+    engine.run()
+    assert engine.pool.used == 0

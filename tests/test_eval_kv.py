@@ -11,7 +11,7 @@ from transformers import Qwen3Config, Qwen3ForCausalLM
 from dms_runtime.adapters import save_adapter
 from dms_runtime.config import DMSConfig
 from dms_runtime.gates import build_gates
-from dms_runtime.tokenizer import build_tokenizer
+from tasks.chain_tokenizer import build_tokenizer
 
 
 @pytest.fixture(scope="module")

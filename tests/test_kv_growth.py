@@ -51,20 +51,20 @@ def test_kv_growth_measures_stores_and_lets_the_pool_hold_more_threads(tmp_path)
         params = SamplingParams(temperature=0.8, max_new_tokens=1000)
         nominal = KVBudgetModel.nominal(engine.budget_model.kv_bytes_per_token, [8.0], engine.adapters.window(8))
         prompt_tokens = len(engine.tokenizer(prompt)["input_ids"])
-        assert engine.fit(prompt, params, 8) > 1.2 * nominal.threads_that_fit(EQUAL_MEMORY, 8, prompt_tokens, 1000)
-        assert engine.fit(prompt, params, 1) == 4  # vanilla threads keep everything: the measurement changes nothing
+        assert engine.fit(engine.encode(prompt), params, 8) > 1.2 * nominal.threads_that_fit(EQUAL_MEMORY, 8, prompt_tokens, 1000)
+        assert engine.fit(engine.encode(prompt), params, 1) == 4  # vanilla threads keep everything: the measurement changes nothing
         # What a worker reports is what its admission counts: a planner elsewhere fits the same threads.
         reported = KVBudgetModel.from_dict(json.loads(json.dumps(engine.budget_model.as_dict())))
-        assert reported.threads_that_fit(EQUAL_MEMORY, 8, prompt_tokens, 1000) == engine.fit(prompt, params, 8)
+        assert reported.threads_that_fit(EQUAL_MEMORY, 8, prompt_tokens, 1000) == engine.fit(engine.encode(prompt), params, 8)
         # A short token limit is reserved at what threads of that length kept, more than the long-run fraction.
         short = SamplingParams(temperature=0.8, max_new_tokens=150)
         flat = KVBudgetModel(reported.kv_bytes_per_token, reported.windows, {8.0: KVGrowth(stored.prompt, stored.generated)})
-        assert engine.fit(prompt, short, 8) < flat.threads_that_fit(EQUAL_MEMORY, 8, prompt_tokens, 150)
+        assert engine.fit(engine.encode(prompt), short, 8) < flat.threads_that_fit(EQUAL_MEMORY, 8, prompt_tokens, 150)
     finally:
         engine.close()
     nominal_engine = build_engine(WorkerConfig(model=str(model), kv_budget_bytes=EQUAL_MEMORY, device="cpu", reserve="nominal"))
     try:  # the A/B switch: the same adapters reserved at 1/cr
-        assert nominal_engine.fit(prompt, params, 8) == nominal.threads_that_fit(EQUAL_MEMORY, 8, prompt_tokens, 1000)
+        assert nominal_engine.fit(engine.encode(prompt), params, 8) == nominal.threads_that_fit(EQUAL_MEMORY, 8, prompt_tokens, 1000)
         # ... and it reports the growth it reserves at, so a planner elsewhere counts 1/cr too.
         assert nominal_engine.budget_model.as_dict()["growth"][8.0] == KVGrowth.nominal(8).as_dict()
     finally:

@@ -8,7 +8,7 @@ from dms_runtime.loading import SHIPPED_MODEL, kv_geometry
 from tasks.chain import generate_problem, generate_suite
 from tasks.cot import REVERSED_MINUS, is_valid_cot, writes_reversed_minus
 from tasks.prompt import format_prompt
-from workers.batch_generate import SamplingParams, generate_threads
+from evaluation.reference_decode import SamplingParams, generate_threads
 
 
 def test_auto_classes_load_the_shipped_model_offline():

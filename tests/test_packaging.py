@@ -38,7 +38,7 @@ def test_compose_services_point_at_real_entry_points():
     api = [part.replace("${THINKPOOL_WORKERS:-1}", "1") for part in services["api"]["command"]]
     args = build_parser().parse_args(api)
     assert args.command == "serve" and args.port == 8000 and args.host == "0.0.0.0"
-    assert services["api"]["environment"]["REDIS_URL"].startswith("redis://redis:")
+    assert services["api"]["environment"]["REDIS_URL"].endswith("@redis:6379/0")
     assert services["api"]["environment"]["RAY_ADDRESS"] == "ray-head:6379"
     assert "--port=6379" in services["ray-head"]["entrypoint"]
     gpu = services["ray-gpu-worker"]["deploy"]["resources"]["reservations"]["devices"][0]

@@ -128,7 +128,7 @@ def test_header_probe_reads_the_shipped_models_headers_as_sure_and_an_untrained_
     paths; an untrained model of the same shape guesses them (error far above 0.5)."""
     import torch
 
-    from dms_runtime.base_train import ModelShape, build_model
+    from training.base_model import ModelShape, build_model
     from dms_runtime.loading import load_model
 
     probe = load_script("header_probe")
@@ -179,7 +179,7 @@ def test_vote_forecast_odds_and_votes_follow_from_the_line_model():
 def test_vote_forecast_of_the_shipped_model_on_easy_problems_and_of_an_untrained_one(tmp_path):
     import torch
 
-    from dms_runtime.base_train import ModelShape, build_model
+    from training.base_model import ModelShape, build_model
     from dms_runtime.loading import load_model
 
     forecast = load_script("vote_forecast")
@@ -187,7 +187,7 @@ def test_vote_forecast_of_the_shipped_model_on_easy_problems_and_of_an_untrained
     problems = [parse_problem(text) for text in ("a=7;b=42;c=a+b;d=c*a;e=d-b;?e", "a=3;b=9;c=b*a;d=c+c;?d")]
     sure = forecast.forecast(model, tokenizer, problems, [1.0], samples=8, draws=50)
     assert sure["greedy"] == 1.0 and sure["by_temperature"]["1.0"]["vote@8"] > 0.95
-    from orchestrator.plots import plot_vote_forecast
+    from evaluation.plots import plot_vote_forecast
 
     png = plot_vote_forecast(sure, tmp_path / "forecast.png", measured={1.0: 1.0})
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -1,8 +1,8 @@
-"""Training runs in bf16 only where the hardware computes in bf16 (dms_runtime/precision.py)."""
+"""Training runs in bf16 only where the hardware computes in bf16 (training/precision.py)."""
 
 import torch
 
-from dms_runtime.precision import autocast, cpu_has_native_bf16, uses_bf16
+from training.precision import autocast, cpu_has_native_bf16, uses_bf16
 
 
 def test_cpu_autocast_follows_native_bf16_support():

@@ -8,8 +8,8 @@ from safetensors.torch import load_file
 
 from dms_runtime.adapters import adapter_path, load_gates, read_adapter_metadata, set_threshold
 from dms_runtime.loading import REPO_ROOT, load_model
-from dms_runtime.retrofit import RetrofitConfig
-from orchestrator.thresholds import fit_threshold, measure
+from training.retrofit import RetrofitConfig
+from training.thresholds import fit_threshold, measure
 from tasks.chain import generate_suite
 
 SHIPPED_DMS = REPO_ROOT / "checkpoints" / "chain-qwen3-dms"

@@ -3,7 +3,7 @@ import random
 import pytest
 from transformers import AutoTokenizer
 
-from dms_runtime.tokenizer import build_tokenizer
+from tasks.chain_tokenizer import build_tokenizer
 from tasks.chain import generate_problem
 from tasks.cot import render_cot
 from tasks.prompt import format_prompt

@@ -8,10 +8,10 @@ import pytest
 import torch
 from pydantic import ValidationError
 
-from dms_runtime.base_train import ModelShape, OptimConfig, TrainConfig, train
-from dms_runtime.chain_data import difficulty_batch
+from training.base_model import ModelShape, OptimConfig, TrainConfig, train
+from training.chain_data import difficulty_batch
 from dms_runtime.loading import load_model
-from dms_runtime.tokenizer import build_tokenizer
+from tasks.chain_tokenizer import build_tokenizer
 
 TINY = ModelShape(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, head_dim=16,
                   intermediate_size=64)

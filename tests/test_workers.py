@@ -6,9 +6,14 @@ import asyncio
 import pytest
 import ray
 
+from transformers import AutoTokenizer
+
+from dms_runtime.loading import default_model_path
 from workers.pool import WorkerPool
 from workers.thread import SamplingParams
 from workers.worker import ProblemRequest, WorkerConfig
+
+TOKENIZER = AutoTokenizer.from_pretrained(default_model_path(), local_files_only=True)
 
 EASY = ["a=3;b=4;c=a*b;d=c+a;?d\n", "a=12;b=5;c=a-b;?c\n", "a=7;b=a+a;c=b*b;?c\n", "a=40;b=2;c=a*b;d=c-a;e=d+b;?e\n"]
 HARD = "a=76;b=53;c=28;d=18;e=16;f=35;g=d*b;h=e+e;i=g+a;j=d-a;k=a*j;l=k*c;m=c-e;n=m*k;o=e*b;p=j*k;q=o*j;r=c-d;?r\n"
@@ -25,7 +30,7 @@ def pool():
 
 
 def request(name: str, prompt: str, samples: int, params: SamplingParams = SAMPLED) -> ProblemRequest:
-    return ProblemRequest(name, prompt, tuple(range(samples)), params)
+    return ProblemRequest(name, tuple(TOKENIZER(prompt)["input_ids"]), tuple(range(samples)), params)
 
 
 def consume_in_background(pool, req: ProblemRequest, worker) -> tuple[asyncio.Task, list]:
@@ -46,7 +51,7 @@ def test_a_burst_of_problems_runs_concurrently_within_the_pool(pool):
 
     results, stats = asyncio.run(burst())
     for i, threads in enumerate(results):
-        assert sorted(t.sample_index for t in threads) == [0, 1, 2, 3]
+        assert sorted(t.sample for t in threads) == [0, 1, 2, 3]
         assert all(t.problem_id == f"burst-{i}" for t in threads)
     assert sum(t.answer == "15" for t in results[0]) >= 3  # the shipped model solves a=3;b=4;c=a*b;d=c+a
     for worker in stats:
@@ -81,7 +86,7 @@ def test_an_actor_killed_mid_run_loses_and_duplicates_nothing(pool):
         worker = pool.workers[1]
         task, got = consume_in_background(pool, req, worker)
         for _ in range(600):
-            if "survivor" in pool._running or task.done():
+            if "survivor" in pool._pins or task.done():
                 break
             await asyncio.sleep(0.05)
         await asyncio.sleep(1.0)
@@ -90,10 +95,10 @@ def test_an_actor_killed_mid_run_loses_and_duplicates_nothing(pool):
         return got
 
     got = asyncio.run(kill_midway())
-    assert sorted(t.sample_index for t in got) == list(range(8))
+    assert sorted(t.sample for t in got) == list(range(8))
     # the re-run threads are the same threads: one seed, one text per sample index
     again = asyncio.run(pool.collect(request("survivor-again", EASY[3], 8)))
-    assert {t.sample_index: t.text for t in got} == {t.sample_index: t.text for t in again}
+    assert {t.sample: t.text for t in got} == {t.sample: t.text for t in again}
 
 
 def test_the_event_loop_keeps_running_while_a_submit_waits_for_the_engine():

@@ -5,10 +5,10 @@ import sys
 
 import pytest
 
-from dms_runtime.base_train import TrainConfig
+from training.base_model import TrainConfig
 from dms_runtime.loading import REPO_ROOT
-from dms_runtime.retrofit import RetrofitConfig
-from dms_runtime.yaml_config import ConfigFileError, load_yaml_config
+from training.retrofit import RetrofitConfig
+from training.yaml_config import ConfigFileError, load_yaml_config
 
 
 def test_a_variant_overrides_its_base_and_merges_sections(tmp_path):

@@ -1,30 +1,36 @@
 """The generation engine: continuous batching of many threads inside one fixed KV pool.
 
-Each :meth:`Engine.step` first admits what the scheduler allows (a problem's prompt is prefilled once, in
-chunks, and its threads share it; a preempted thread replays its own tokens), then makes room for the
-decode step (preempting the newest threads if the pool is short), then decodes one token for every
-running thread, each with its own sampling parameters and DMS ratio. Finished threads leave the batch
-and free their slots at once; so do cancelled ones. The pool's high-water mark is the KV peak.
+Threads belong to tasks. A task's prompt is prefilled once per ratio, in chunks, and held (:class:`HeldPrompt`)
+for the task's life: every thread of the task, in any request or round, starts from it and shares its slots,
+and a preempted thread resumes from it, replaying only its own tokens. A task opened with ``keep=True`` lives
+until :meth:`Engine.close_task`; any other closes when its last thread ends.
+
+Each :meth:`Engine.step` first admits what the scheduler allows, then makes room for the decode step
+(preempting the newest threads if the pool is short), then decodes one token for every running thread, each
+with its own sampling parameters and DMS ratio. Finished threads leave the batch and free their slots at once;
+so do cancelled ones. The pool counts each task's slots, so a thread reports its task's own KV peak.
 """
 
 from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from dms_runtime.gate_bank import AdapterSet
 from dms_runtime.kv_growth import CURVE_POINTS
-from dms_runtime.kv_pool import KVPool
+from dms_runtime.kv_pool import MAX_OWNERS, KVPool
 from dms_runtime.loading import kv_geometry
 from dms_runtime.paged_cache import PagedDMSCache
 from workers.kv_budget import KVBudgetModel
 from workers.sampler import sample_rows
 from workers.scheduler import Scheduler
-from workers.thread import SamplingParams, StopRule, Thread, ThreadResult
+from workers.records import ThreadResult
+from workers.thread import SamplingParams, StopRule, Thread
 
 PREFILL_CHUNK = 128  # prompt tokens per prefill pass: bounds the slots a prefill holds before eviction
 
@@ -45,6 +51,23 @@ def _defined(points: tuple[int, ...], fractions: list[float]) -> tuple[tuple[int
 def thread_seed(seed: int, sample_index: int) -> int:
     """The seed of thread ``sample_index`` of a request seeded ``seed``."""
     return (seed * 1_000_003 + sample_index * 7919) % (2**63)
+
+
+@dataclass
+class HeldPrompt:
+    """A task's prompt prefilled at one ratio: its one-row cache and the logits after its last token."""
+
+    cache: PagedDMSCache
+    logits: torch.Tensor  # [vocab]
+    tokens: int
+
+
+@dataclass
+class EngineTask:
+    owner: int  # the pool's owner id for its slots
+    keep: bool  # lives until close_task (else: until its last thread ends)
+    prompts: dict[float, HeldPrompt] = field(default_factory=dict)
+    live: int = 0  # threads waiting or running
 
 
 @dataclass
@@ -82,19 +105,25 @@ class Engine:
         self.tokens_generated = 0
         self.busy_s = 0.0
         self.preemptions = 0
+        self.prompt_prefills = 0  # prompts prefilled (once per task and ratio)
+        self.tasks: dict[str, EngineTask] = {}
+        self._free_owners = list(range(MAX_OWNERS - 1, 0, -1))  # owner 0: slots of no task
 
     def _new_cache(self) -> PagedDMSCache:
         return PagedDMSCache(self.pool, self.layers, self.kv_heads)
 
     # -- requests ------------------------------------------------------------------------------------
-    def submit(self, problem_id: str, prompt: str, samples: list[int], params: SamplingParams, cr: float = 1.0) -> list[Thread]:
-        """Queue threads ``samples`` (their indices) of a problem; thread i is seeded ``thread_seed(params.seed, i)``."""
+    def submit(self, request_id: str, prompt_ids: list[int], samples: list[int], params: SamplingParams, cr: float = 1.0,
+               task_id: str | None = None, keep: bool = False) -> list[Thread]:
+        """Queue threads ``samples`` (their indices in the task) of a tokenized prompt; thread i is seeded
+        ``thread_seed(params.seed, i)``. ``task_id`` (default: the request) groups requests that share a prompt;
+        ``keep`` holds the task (and its prompt) until :meth:`close_task`."""
         self.adapters.index(cr)  # an unknown ratio fails here, before any work
-        prompt_ids = self.tokenizer(prompt)["input_ids"]
+        task_id = task_id or request_id
         threads = []
         for index in samples:
             thread_params = SamplingParams(params.temperature, params.top_p, params.max_new_tokens, thread_seed(params.seed, index))
-            thread = Thread(problem_id, index, prompt_ids, thread_params, cr, seq=self._arrivals)
+            thread = Thread(request_id, index, list(prompt_ids), thread_params, cr, task_id=task_id, seq=self._arrivals)
             self._arrivals += 1
             need = self.scheduler.reservation(thread)
             if need > self.pool.capacity:
@@ -103,23 +132,70 @@ class Engine:
                     f"bytes of KV, the pool holds {self.pool.budget_bytes}"
                 )
             threads.append(thread)
+        task = self._task(task_id, keep)
+        task.live += len(threads)
         self.scheduler.add(threads)
         return threads
 
-    def cancel(self, problem_id: str) -> int:
-        """Stop every thread of a problem now; their slots are free when this returns. Returns how many stopped."""
-        waiting, running = self.scheduler.drop_problem(problem_id)
+    def encode(self, prompt: str) -> list[int]:
+        """A prompt's token ids (for callers that drive the engine directly with text)."""
+        return self.tokenizer(prompt)["input_ids"]
+
+    def _task(self, task_id: str, keep: bool) -> EngineTask:
+        task = self.tasks.get(task_id)
+        if task is None:
+            if not self._free_owners:
+                raise BudgetError(f"tasks: at most {MAX_OWNERS - 1} open at once on one engine")
+            owner = self._free_owners.pop()
+            self.pool.reset_owner(owner)
+            task = self.tasks[task_id] = EngineTask(owner, keep)
+        task.keep |= keep
+        return task
+
+    def cancel(self, request_id: str) -> int:
+        """Stop every thread of one request now; their slots are free when this returns. Returns how many stopped."""
+        return self._stop(lambda t: t.problem_id == request_id)
+
+    def close_task(self, task_id: str) -> int:
+        """Stop what is left of a task and free its held prompts. Returns how many threads stopped."""
+        stopped = self._stop(lambda t: t.task_id == task_id)
+        task = self.tasks.pop(task_id, None)
+        if task is not None:
+            for held in task.prompts.values():
+                held.cache.remove_rows([0])
+            self.scheduler.release(task_id)
+            self._free_owners.append(task.owner)
+        return stopped
+
+    def _stop(self, match: Callable[[Thread], bool]) -> int:
+        waiting, running = self.scheduler.drop(match)
         self._drop(running)
+        self._ended(waiting + running)
         return len(waiting) + len(running)
+
+    def _ended(self, threads: list[Thread]) -> None:
+        """Threads left their tasks; a task that is not kept closes with its last thread."""
+        for thread in threads:
+            task = self.tasks.get(thread.task_id)
+            if task is not None:
+                task.live -= 1
+        for task_id in {t.task_id for t in threads}:
+            task = self.tasks.get(task_id)
+            if task is not None and task.live <= 0 and not task.keep:
+                self.close_task(task_id)
+
+    def task_peak_bytes(self, task_id: str) -> int:
+        """The most KV bytes the task has held at once (0 for a task that is not open)."""
+        task = self.tasks.get(task_id)
+        return self.pool.owner_peak_bytes(task.owner) if task is not None else 0
 
     def has_work(self) -> bool:
         return bool(self.scheduler.running or self.scheduler.waiting)
 
-    def fit(self, prompt: str, params: SamplingParams, cr: float) -> int:
-        """How many threads of this request the whole pool holds at once (admitted together, they share the prompt)."""
+    def fit(self, prompt_ids: list[int], params: SamplingParams, cr: float) -> int:
+        """How many threads of this request the whole pool holds at once (they share the prompt)."""
         self.adapters.index(cr)  # an unknown ratio fails here
-        prompt_tokens = len(self.tokenizer(prompt)["input_ids"])
-        fit = self.budget_model.threads_that_fit(self.pool.budget_bytes, cr, prompt_tokens, params.max_new_tokens)
+        fit = self.budget_model.threads_that_fit(self.pool.budget_bytes, cr, len(prompt_ids), params.max_new_tokens)
         return min(fit, self.scheduler.max_running)
 
     def close(self) -> None:
@@ -171,34 +247,53 @@ class Engine:
             cache_position=torch.arange(input_ids.shape[1], device=device),
         ).logits[:, -1]
 
-    def _prefill(self, token_ids: list[int], cr: float, rows_after: int) -> tuple[PagedDMSCache, torch.Tensor]:
-        """A one-row cache holding ``token_ids`` (in chunks) and the logits after its last token."""
+    def _prefill(self, token_ids: list[int], cr: float, rows_after: int, owner: int,
+                 start: HeldPrompt | None = None) -> tuple[PagedDMSCache, torch.Tensor | None]:
+        """A one-row cache holding ``start``'s prompt (if given) and then ``token_ids`` (in chunks), and the logits
+        after its last token (None when there was nothing to run)."""
         cache = self._new_cache()
-        cache.add_rows([self.adapters.window(cr)])
+        if start is not None:
+            cache.extend(start.cache, keep_source=True)
+        else:
+            cache.add_rows([self.adapters.window(cr)], [owner])
+        offset = start.tokens if start is not None else 0
         self.adapters.set_rows([cr])
         ids = torch.tensor(token_ids, dtype=torch.long)
-        for start in range(0, len(ids), PREFILL_CHUNK):
-            chunk = ids[start : start + PREFILL_CHUNK]
+        logits = None
+        for first in range(0, len(ids), PREFILL_CHUNK):
+            chunk = ids[first : first + PREFILL_CHUNK]
             # Room for this chunk and for the next decode step of every row, the new ones included.
             if (len(chunk) + len(self.rows) + rows_after) * self.slots_per_token > self.pool.free:
                 cache.remove_rows([0])
                 raise _PoolShort
-            logits = self._forward(cache, chunk[None], torch.arange(start, start + len(chunk))[None])
+            positions = torch.arange(offset + first, offset + first + len(chunk))
+            logits = self._forward(cache, chunk[None], positions[None])
         return cache, logits
+
+    def _held_prompt(self, thread: Thread, rows_after: int) -> HeldPrompt:
+        """The task's prompt at the thread's ratio: held already, or prefilled now and held from here on."""
+        task = self.tasks[thread.task_id]
+        held = task.prompts.get(thread.cr)
+        if held is None:
+            cache, logits = self._prefill(thread.prompt_ids, thread.cr, rows_after, task.owner)
+            held = task.prompts[thread.cr] = HeldPrompt(cache, logits[0], len(thread.prompt_ids))
+            self.prompt_prefills += 1
+            self.scheduler.hold((thread.task_id, thread.cr), len(thread.prompt_ids))
+        return held
 
     def _start(self, group: list[Thread]) -> list[ThreadResult]:
         first = group[0]
-        if first.tokens:  # resume a preempted thread: rebuild its cache from its own tokens
-            cache, _ = self._prefill(first.prompt_ids + first.tokens[:-1], first.cr, 1)
+        held = self._held_prompt(first, len(group))
+        if first.tokens:  # resume a preempted thread: its prompt is held; replay its own tokens
+            cache, _ = self._prefill(first.tokens[:-1], first.cr, 1, 0, start=held)
             self.cache.extend(cache)
             self.rows.append(first)
             self.next_input = torch.cat([self.next_input, torch.tensor(first.tokens[-1:])])
             return []
-        cache, logits = self._prefill(first.prompt_ids, first.cr, len(group))
-        self.cache.extend(cache, repeat=len(group))
+        self.cache.extend(held.cache, repeat=len(group), keep_source=True)
         self.rows += group
         self.next_input = torch.cat([self.next_input, torch.zeros(len(group), dtype=torch.long)])
-        return self._advance(group, logits.expand(len(group), -1))
+        return self._advance(group, held.logits.expand(len(group), -1))
 
     def _advance(self, threads: list[Thread], logits: torch.Tensor) -> list[ThreadResult]:
         """Sample one token for each of ``threads`` (rows of ``logits``, in order); retire the finished."""
@@ -220,9 +315,11 @@ class Engine:
         prompts = torch.tensor([len(t.prompt_ids) for t in threads], dtype=torch.long)
         kept = zip(*(f.tolist() for f in self.cache.kept_fractions(rows, prompts)))
         curves = [_defined(CURVE_POINTS, row) for row in self.cache.generated_kept_curve(rows, prompts, CURVE_POINTS).tolist()]
-        results = [t.result(self.tokenizer, r, m, k, c) for t, r, m, k, c in zip(threads, ratios, memory, kept, curves)]
+        peaks = [self.task_peak_bytes(t.task_id) for t in threads]
+        results = [t.result(self.tokenizer, r, m, k, c, p) for t, r, m, k, c, p in zip(threads, ratios, memory, kept, curves, peaks)]
         self.scheduler.finish(threads)
         self._drop(threads)
+        self._ended(threads)
         return results
 
     def _row_indices(self, threads: list[Thread]) -> list[int]:

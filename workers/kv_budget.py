@@ -2,7 +2,8 @@
 controller's plans.
 
 Per head, a thread holds the tokens inside its window, then the fractions its ratio keeps of the rest: of the
-prompt, which the threads of one prefill share (its slots exist once), and of its own generated tokens. The
+prompt, which the threads of one task share (its slots exist once, held for the task's life), and of its own
+generated tokens. The
 fractions are the adapter's measured KV growth (:mod:`dms_runtime.kv_growth`), else ``1/cr``. Multiply by
 ``kv_bytes_per_token`` (all layers and KV heads) for bytes.
 """
@@ -15,13 +16,11 @@ from dataclasses import dataclass, field
 from dms_runtime.kv_growth import KVGrowth
 
 
-def shared_tokens_per_head(prompt: int, limit: int, window: int, growth: KVGrowth) -> int:
-    """Prompt tokens per head that threads sharing one prefill hold together once they have generated ``limit``
-    tokens: the prompt's kept fraction, plus the prompt tokens still inside the window of a short thread.
-
-    With every thread at the same length the group's memory only grows (a thread's new token costs one entry,
-    and the prompt loses at most one per step), so the end is its peak."""
-    inside = max(0, min(prompt, window + 1 - limit))
+def prompt_tokens_per_head(prompt: int, window: int, growth: KVGrowth) -> int:
+    """Prompt tokens per head a task's held prompt keeps: the last ``window + 1`` (the decision on them is not
+    final while the prompt's own row is where it stopped), and the fraction its ratio keeps of the rest. Every
+    thread of the task reads its prompt from these slots and only ever drops some, so they are counted once."""
+    inside = min(prompt, window + 1)
     return inside + math.ceil(growth.prompt * (prompt - inside))
 
 
@@ -37,13 +36,13 @@ def group_tokens_per_head(prompt: int, limits: list[int], window: int, growth: K
     i generating up to ``limits[i]`` tokens (DESIGN's budget model, at ``growth``)."""
     if not limits:
         return 0
-    return shared_tokens_per_head(prompt, min(limits), window, growth) + sum(own_tokens_per_head(l, window, growth) for l in limits)
+    return prompt_tokens_per_head(prompt, window, growth) + sum(own_tokens_per_head(l, window, growth) for l in limits)
 
 
 def threads_that_fit(capacity_tokens: int, prompt: int, limit: int, window: int, growth: KVGrowth) -> int:
     """How many threads sharing one prefill fit at once in ``capacity_tokens`` tokens per head (KV bytes over
     ``kv_bytes_per_token``): the prompt once, then each thread's own tokens."""
-    room = capacity_tokens - shared_tokens_per_head(prompt, limit, window, growth)
+    room = capacity_tokens - prompt_tokens_per_head(prompt, window, growth)
     return max(0, room // own_tokens_per_head(limit, window, growth))
 
 
@@ -71,6 +70,14 @@ class KVBudgetModel:
     def group_bytes(self, cr: float, prompt: int, limit: int, threads: int = 1) -> int:
         """KV bytes ``threads`` threads sharing one prefill may grow to."""
         return self.kv_bytes_per_token * group_tokens_per_head(prompt, [limit] * threads, self.window(cr), self.growth(cr))
+
+    def prompt_bytes(self, cr: float, prompt: int) -> int:
+        """KV bytes a task's held prompt reserves at ``cr`` (once, for the task's life)."""
+        return self.kv_bytes_per_token * prompt_tokens_per_head(prompt, self.window(cr), self.growth(cr))
+
+    def thread_bytes(self, cr: float, limit: int, threads: int = 1) -> int:
+        """KV bytes ``threads`` threads' own tokens may grow to, their shared prompt aside."""
+        return self.kv_bytes_per_token * threads * own_tokens_per_head(limit, self.window(cr), self.growth(cr))
 
     def threads_that_fit(self, budget_bytes: int, cr: float, prompt: int, limit: int) -> int:
         return threads_that_fit(budget_bytes // self.kv_bytes_per_token, prompt, limit, self.window(cr), self.growth(cr))

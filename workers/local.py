@@ -7,7 +7,8 @@ from __future__ import annotations
 
 from typing import AsyncIterator
 
-from workers.thread import SamplingParams, ThreadResult
+from workers.records import ThreadResult
+from workers.thread import SamplingParams
 from workers.runner import ThreadRunner
 from workers.worker import ModelWorker, ProblemRequest, WorkerConfig, WorkerStats
 
@@ -21,14 +22,20 @@ class LocalPool(ThreadRunner):
         async for result in self.worker.run(request):
             yield result
 
-    async def cancel(self, request_id: str) -> int:
-        return await self.worker.cancel(request_id)
+    async def pin(self, task_id: str) -> int:
+        return 0
+
+    async def cancel(self, task_id: str) -> int:
+        return await self.worker.cancel(task_id)
+
+    async def close_task(self, task_id: str) -> None:
+        await self.worker.close_task(task_id)
 
     async def stats(self) -> list[WorkerStats | None]:
         return [await self.worker.stats()]
 
-    async def fit(self, prompt: str, params: SamplingParams, cr: float) -> int:
-        return await self.worker.fit(prompt, params, cr)
+    async def fit(self, prompt_ids: list[int], params: SamplingParams, cr: float) -> int:
+        return await self.worker.fit(prompt_ids, params, cr)
 
     async def reset_peaks(self) -> None:
         await self.worker.reset_peak()

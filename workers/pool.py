@@ -1,10 +1,12 @@
-"""``WorkerPool``: ModelWorkers as Ray actors, one request routed to the worker with the most room.
+"""``WorkerPool``: ModelWorkers as Ray actors; each task pinned to the worker that had the most room for it.
 
-Joins the cluster at ``RAY_ADDRESS`` (or the one given) or starts a local one. Actors restart when they
-die (``max_restarts=-1``); a request whose worker died mid-run is sent again, to whichever worker then
-has the most room, for the threads not yet reported. Each thread's result is yielded exactly once: the
-pool keeps the set of sample indices still owed, and a thread's seed fixes its tokens, so a re-run
-thread is the same thread.
+Joins the cluster at ``RAY_ADDRESS`` (or the one given) or starts a local one. A task (all the requests that
+share its ``task_id``: a controller's chunks and rounds) runs on one worker, where its prompt is held; the
+first request of a task picks the live worker with the fewest threads outstanding. Actors restart when they
+die (``max_restarts=-1``); a request whose worker died mid-run is sent again, re-pinning its task to
+whichever worker then has the most room, for the threads not yet reported. Each thread's result is yielded
+exactly once: the pool keeps the set of sample indices still owed, and a thread's seed fixes its tokens, so
+a re-run thread is the same thread.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import ray
 import torch
 from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
 
-from workers.thread import ThreadResult
+from workers.records import ThreadResult
 from workers.runner import ThreadRunner
 from workers.worker import ModelWorker, ProblemRequest, WorkerConfig, WorkerStats
 
@@ -52,9 +54,9 @@ class WorkerPool(ThreadRunner):
         self.workers = [actor.remote(self.config) for _ in range(num_workers)]
         ray.get([w.ping.remote() for w in self.workers])
         self.max_retries = max_retries
-        self._running: dict[str, tuple[object, str]] = {}  # request id -> (worker, its id there)
+        self._pins: dict[str, int] = {}  # task id -> the worker it runs on
         self._outstanding = [0] * num_workers  # threads routed to each worker and not yet reported
-        self._cancelled: set[str] = set()
+        self._cancelled: set[str] = set()  # tasks cancelled (their requests stop re-running)
 
     # -- routing -------------------------------------------------------------------------------------
     async def _worker_stats(self, worker) -> WorkerStats | None:
@@ -74,23 +76,31 @@ class WorkerPool(ThreadRunner):
             return 0  # all restarting: queue on the first; Ray delivers once it is back
         return min(alive, key=lambda i: (self._outstanding[i], stats[i].reserved_bytes - stats[i].pool_bytes))
 
+    async def pin(self, task_id: str) -> int:
+        """The worker a task runs on (chosen now, if it has none)."""
+        if task_id not in self._pins:
+            self._pins[task_id] = await self.pick()
+        return self._pins[task_id]
+
     # -- requests ------------------------------------------------------------------------------------
     async def run(self, request: ProblemRequest, worker=None) -> AsyncIterator[ThreadResult]:
         """Each thread's result as it finishes, exactly once, surviving worker deaths."""
         owed = set(request.samples)
         attempt = 0
-        while owed and request.request_id not in self._cancelled:
-            index = self.workers.index(worker) if (worker is not None and attempt == 0) else await self.pick()
+        task = request.task
+        if worker is not None:
+            self._pins[task] = self.workers.index(worker)
+        while owed and task not in self._cancelled:
+            index = await self.pin(task)
             target = self.workers[index]
             sub_id = f"{request.request_id}/{attempt}"
-            self._running[request.request_id] = (target, sub_id)
             sent = len(owed)
             self._outstanding[index] += sent
             try:
                 async for ref in target.run.remote(replace(request, request_id=sub_id, samples=tuple(sorted(owed)))):
                     result: ThreadResult = await ref
-                    if result.sample_index in owed:
-                        owed.discard(result.sample_index)
+                    if result.sample in owed:
+                        owed.discard(result.sample)
                         self._outstanding[index] -= 1
                         sent -= 1
                         yield replace(result, problem_id=request.request_id)
@@ -99,24 +109,39 @@ class WorkerPool(ThreadRunner):
                 attempt += 1
                 if attempt > self.max_retries:
                     raise
+                if self._pins.get(task) == index:  # its held prompt died with the worker: start afresh elsewhere
+                    del self._pins[task]
             finally:
                 self._outstanding[index] -= sent
-                self._running.pop(request.request_id, None)
-        self._cancelled.discard(request.request_id)
+        if not request.keep_task:
+            self._pins.pop(task, None)
 
-    async def cancel(self, request_id: str) -> int:
-        self._cancelled.add(request_id)
-        running = self._running.get(request_id)
-        if running is None:
+    async def cancel(self, task_id: str) -> int:
+        """Stop every thread of a task on its worker and free its KV; its requests end."""
+        self._cancelled.add(task_id)
+        index = self._pins.pop(task_id, None)
+        if index is None:
             return 0
-        worker, sub_id = running
-        return await worker.cancel.remote(sub_id)
+        try:
+            return await self.workers[index].cancel.remote(task_id)
+        except WORKER_LOST:
+            return 0
+
+    async def close_task(self, task_id: str) -> None:
+        """A kept task is done: its worker frees its held prompts."""
+        self._cancelled.discard(task_id)
+        index = self._pins.pop(task_id, None)
+        if index is not None:
+            try:
+                await self.workers[index].close_task.remote(task_id)
+            except WORKER_LOST:
+                pass
 
     async def stats(self) -> list[WorkerStats | None]:
         return list(await asyncio.gather(*(self._worker_stats(w) for w in self.workers)))
 
-    async def fit(self, prompt: str, params, cr: float) -> int:
-        return await self.workers[0].fit.remote(prompt, params, cr)
+    async def fit(self, prompt_ids: list[int], params, cr: float) -> int:
+        return await self.workers[0].fit.remote(prompt_ids, params, cr)
 
     async def reset_peaks(self) -> None:
         await asyncio.gather(*(w.reset_peak.remote() for w in self.workers))

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import torch
 
 from policies.extraction import extract_chain_answer
+from workers.records import ThreadResult
 
 
 @dataclass(frozen=True)
@@ -48,46 +49,15 @@ class StopRule:
         return cls(tokenizer.eos_token_id, marker, digits)
 
 
-@dataclass(frozen=True)
-class ThreadResult:
-    """What a finished thread reports (the engine's, the worker's and the pool's unit of output)."""
-
-    problem_id: str
-    sample_index: int
-    text: str
-    tokens: int
-    answer: str | None
-    mean_logprob: float
-    realized_cr: float
-    cr: float
-    finish_reason: str  # "answer" | "eos" | "length" | "cancelled"
-    preemptions: int = 0
-    # Tokens processed x KV heads / KV entries held: the memory saving. realized_cr averages per-head
-    # ratios instead, so heads that evict almost everything raise it more than they save memory.
-    kv_cr: float = 1.0
-    # The least likely token the thread chose (the model's own log-probability, whatever the temperature):
-    # one near-tie decided the wrong way is how a chain of thought goes wrong, so a thread whose every
-    # choice was clear-cut is the one to trust (DeepConf's "lowest confidence" signal).
-    min_logprob: float = 0.0
-    # Of the tokens past the window at the end, the fractions still held (layers and heads pooled): of the prompt
-    # and of the thread's own tokens. What ``thinkpool kv-growth`` measures an adapter's reservation from.
-    prompt_kept: float = 1.0
-    generated_kept: float = 1.0
-    # (p, f): of its first p own tokens past the window the thread still holds f, at each of
-    # ``dms_runtime.kv_growth.CURVE_POINTS`` it reached; a token's fate is final once it leaves the window, so
-    # this is what it held of its own tokens when it was that long: the growth curve reservations read.
-    generated_kept_curve: tuple[tuple[int, float], ...] = ()
-
-
 @dataclass(eq=False)
 class Thread:
-    problem_id: str
+    problem_id: str  # the request it came in
     sample_index: int
     prompt_ids: list[int]
     params: SamplingParams
     cr: float = 1.0
+    task_id: str = ""  # the task it belongs to (its threads share one held prompt); default: its request
     seq: int = 0  # arrival order, set by the engine
-    prefill_group: int = -1  # while running: which admission it came in with (the threads sharing its prefill)
     status: Status = Status.WAITING
     tokens: list[int] = field(default_factory=list)
     logprob_sum: float = 0.0
@@ -97,6 +67,7 @@ class Thread:
     _in_answer: bool = False
 
     def __post_init__(self) -> None:
+        self.task_id = self.task_id or self.problem_id
         self.generator = torch.Generator().manual_seed(self.params.seed % (2**63))
 
     @property
@@ -126,11 +97,12 @@ class Thread:
         return False
 
     def result(self, tokenizer, realized_cr: float, kv_cr: float = 1.0, kept: tuple[float, float] = (1.0, 1.0),
-               kept_curve: tuple[tuple[int, float], ...] = ()) -> ThreadResult:
+               kept_curve: tuple[tuple[int, float], ...] = (), kv_peak_bytes: int = 0) -> ThreadResult:
         text = tokenizer.decode(self.tokens, skip_special_tokens=True)
         count = len(self.tokens) + (self.finish_reason == "eos")
         mean = self.logprob_sum / count if count else -math.inf
         return ThreadResult(
             self.problem_id, self.sample_index, text, count, extract_chain_answer(text), mean, realized_cr,
             self.cr, self.finish_reason or "cancelled", self.preemptions, kv_cr, self.logprob_min, *kept, kept_curve,
+            kv_peak_bytes,
         )

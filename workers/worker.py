@@ -20,12 +20,13 @@ from typing import AsyncIterator, Literal
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
-from dms_runtime.adapters import adapter_path, load_gates
+from dms_runtime.adapters import adapter_path, load_gates, model_fingerprint
 from dms_runtime.gate_bank import AdapterSet
 from dms_runtime.kv_growth import read_kv_growth
 from dms_runtime.loading import default_model_path, kv_geometry, load_model
 from workers.engine import Engine
-from workers.thread import SamplingParams, ThreadResult
+from workers.records import ThreadResult
+from workers.thread import SamplingParams
 
 DEFAULT_KV_BUDGET = 64 * 2**20
 
@@ -47,13 +48,22 @@ class WorkerConfig(BaseModel):
 
 @dataclass(frozen=True)
 class ProblemRequest:
-    """Threads ``samples`` (indices) of one problem; ``request_id`` is unique among a worker's requests."""
+    """Threads ``samples`` (indices) of one tokenized prompt; ``request_id`` is unique among a worker's requests.
+
+    Requests with one ``task_id`` share the prompt's prefill and slots (default: the request is its own task);
+    ``keep_task`` keeps the task, and its held prompt, open after the request ends, until ``close_task``."""
 
     request_id: str
-    prompt: str
+    prompt_ids: tuple[int, ...]
     samples: tuple[int, ...]
     params: SamplingParams = SamplingParams()
     cr: float = 1.0
+    task_id: str = ""
+    keep_task: bool = False
+
+    @property
+    def task(self) -> str:
+        return self.task_id or self.request_id
 
 
 @dataclass
@@ -105,9 +115,11 @@ class ModelWorker:
             torch.set_num_threads(config.torch_threads)
         self.config = config
         self.engine = build_engine(config)
+        self.fingerprint = model_fingerprint(self.engine.model)  # the weights' identity: results are cached by it
         self._lock = threading.Lock()
         self._work = threading.Event()
         self._listeners: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._task_of: dict[str, str] = {}  # running request id -> its task
         self._loop_thread = threading.Thread(target=self._loop, name="engine-loop", daemon=True)
         self._loop_thread.start()
 
@@ -145,9 +157,10 @@ class ModelWorker:
             raise ValueError(f"request {request.request_id!r} is already running on this worker")
         queue: asyncio.Queue = asyncio.Queue()
         self._listeners[request.request_id] = (asyncio.get_running_loop(), queue)
+        self._task_of[request.request_id] = request.task
         try:
-            await self._locked(self.engine.submit, request.request_id, request.prompt, list(request.samples),
-                               request.params, request.cr)
+            await self._locked(self.engine.submit, request.request_id, list(request.prompt_ids), list(request.samples),
+                               request.params, request.cr, request.task, request.keep_task)
             self._work.set()
             for _ in request.samples:
                 item = await queue.get()
@@ -156,17 +169,25 @@ class ModelWorker:
                 yield item
         finally:
             self._listeners.pop(request.request_id, None)
+            self._task_of.pop(request.request_id, None)
             # a consumer that went away frees its threads (the helper thread finishes even if this await is cancelled)
             await self._locked(self.engine.cancel, request.request_id)
 
-    async def cancel(self, request_id: str) -> int:
-        """Stop a request's threads now; their KV slots are free when this returns."""
-        stopped = await self._locked(self.engine.cancel, request_id)
-        self._deliver(request_id, None)
+    async def cancel(self, task_id: str) -> int:
+        """Stop every thread of a task (all its requests) and free its held prompts: its KV slots are free when
+        this returns. Returns how many threads stopped."""
+        stopped = await self._locked(self.engine.close_task, task_id)
+        for request_id, task in list(self._task_of.items()):
+            if task == task_id:
+                self._deliver(request_id, None)
         return stopped
 
-    async def fit(self, prompt: str, params: SamplingParams, cr: float) -> int:
-        return await self._locked(self.engine.fit, prompt, params, cr)
+    async def close_task(self, task_id: str) -> None:
+        """A kept task is done: free its held prompts."""
+        await self._locked(self.engine.close_task, task_id)
+
+    async def fit(self, prompt_ids: list[int], params: SamplingParams, cr: float) -> int:
+        return await self._locked(self.engine.fit, prompt_ids, params, cr)
 
     async def stats(self) -> WorkerStats:
         def snapshot() -> WorkerStats:
@@ -188,6 +209,7 @@ class ModelWorker:
     def info(self) -> dict:
         return {
             "model": self.config.model,
+            "fingerprint": self.fingerprint,
             "ratios": [1.0] + list(self.engine.adapters.ratios),
             "budget_model": self.engine.budget_model.as_dict(),
             "kv_budget_bytes": self.engine.pool.budget_bytes,

@@ -7,7 +7,8 @@ import json
 import os
 import sys
 
-from orchestrator.commands.common import check_adapters, make_pool, read_problems_or_exit
+from orchestrator.commands.common import check_adapters, read_problems_or_exit
+from workers.runner import make_pool
 
 
 def cmd_bench(args, parser) -> int:
@@ -16,7 +17,7 @@ def cmd_bench(args, parser) -> int:
     if args.bench == "controller":
         return cmd_bench_controller(args, parser)
     if args.bench == "load":
-        from orchestrator.bench import bench_load
+        from evaluation.benchmarks import bench_load
 
         report = asyncio.run(bench_load(args.url, args.concurrency, args.requests, args.samples, args.api_key))
         print(json.dumps(report) if args.json else
@@ -25,8 +26,8 @@ def cmd_bench(args, parser) -> int:
               f"pool peak {report['pool_peak_bytes']} of {report['pool_bytes']} bytes")
         return 0
     from dms_runtime.loading import default_model_path
-    from orchestrator.bench import bench_throughput
-    from orchestrator.plots import plot_throughput
+    from evaluation.benchmarks import bench_throughput
+    from evaluation.plots import plot_throughput
 
     model_dir = args.model or default_model_path()
     check_adapters(args.cr or [], model_dir, parser, "--cr")
@@ -47,7 +48,7 @@ def cmd_bench(args, parser) -> int:
 
 def cmd_bench_overhead(args, parser) -> int:
     from dms_runtime.loading import default_model_path
-    from orchestrator.bench import bench_overhead, bench_rest_overhead, hard_prompts
+    from evaluation.benchmarks import bench_overhead, bench_rest_overhead, hard_prompts
 
     prompt = hard_prompts(1)[0]
     if args.url:
@@ -55,7 +56,10 @@ def cmd_bench_overhead(args, parser) -> int:
                                      os.environ.get("THINKPOOL_API_KEY"))
     else:
         pool = make_pool(args.model or default_model_path(), None, args.workers)
-        report = bench_overhead(pool, prompt, args.samples, args.max_new_tokens, args.repeats)
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(args.model or default_model_path(), local_files_only=True)
+        report = bench_overhead(pool, tokenizer(prompt)["input_ids"], args.samples, args.max_new_tokens, args.repeats)
         pool.shutdown()
         report["path"] = "ray" if args.workers else "in-process"
     if args.json:
@@ -70,25 +74,25 @@ def cmd_bench_controller(args, parser) -> int:
     """Every fixed configuration and a greedy reference, then the controller, on the same problems, each problem
     with the whole pool."""
     from dms_runtime.loading import default_model_path
-    from orchestrator.bench import compare_to_fixed
-    from orchestrator.commands.evaluate import make_controller, run_controller
-    from orchestrator.evaluate import EvalOptions, evaluate_on_pool
-    from orchestrator.plots import plot_accuracy_vs_tokens
+    from evaluation.benchmarks import compare_to_fixed
+    from orchestrator.commands.evaluate import make_service, run_controller
+    from evaluation.scoring import EvalOptions, evaluate_on_pool
+    from evaluation.plots import plot_accuracy_vs_tokens
 
     problems = read_problems_or_exit(args, parser)
     model_dir = args.model or default_model_path()
     check_adapters([cr for cr, _ in args.fixed], model_dir, parser, "--fixed")
     pool = make_pool(model_dir, args.kv_budget, args.workers)
-    controller, budget = make_controller(args, parser, problems, model_dir, pool)
+    service = make_service(args, parser, problems, model_dir, pool)
     runs = []
     # The fixed configurations vote sampled threads; one greedy thread per problem runs beside them as a
     # reference (the controller opens with one), compared separately.
     for method, cr, threads in [(f"{cr:g}x{n}", cr, n) for cr, n in args.fixed] + [("greedy", 1.0, 1)]:
         options = EvalOptions(samples=threads, seed=args.seed, temperature=args.temperature, max_new_tokens=args.max_new_tokens)
-        report = asyncio.run(evaluate_on_pool(problems, pool, options, cr, method, sequential=True))
+        report = asyncio.run(evaluate_on_pool(problems, pool, service.tokenizer, options, cr, method, sequential=True))
         report.pop("problems")
         runs.append({**report, "cr": cr, "threads": threads})
-    report = asyncio.run(run_controller(problems, pool, controller, budget, args.seed))
+    report = asyncio.run(run_controller(problems, service, args.kv_budget, args.max_threads, args.seed))
     report.pop("problems")
     runs.append(report)
     pool.shutdown()

@@ -7,12 +7,13 @@ import json
 import sys
 from pathlib import Path
 
-from orchestrator.commands.common import check_adapters, make_pool
+from orchestrator.commands.common import check_adapters
+from workers.runner import make_pool
 
 
 def cmd_calibrate(args, parser) -> int:
     from dms_runtime.loading import default_model_path
-    from orchestrator.calibrate import calibrate
+    from evaluation.calibration import calibrate
     from workers.worker import available_ratios
 
     model_dir = args.model or default_model_path()
@@ -23,7 +24,10 @@ def cmd_calibrate(args, parser) -> int:
     adapters = sorted(Path(model_dir).glob("dms-*x.json"))
     if adapters:
         window = json.loads(adapters[0].read_text())["dms_config"]["window"]
-    profile = asyncio.run(calibrate(pool, args.bins, ratios, args.problems, args.threads, args.max_new_tokens,
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
+    profile = asyncio.run(calibrate(pool, tokenizer, args.bins, ratios, args.problems, args.threads, args.max_new_tokens,
                                     args.temperature, args.seed, str(model_dir), window, args.top_p,
                                     progress=lambda line: print(line, file=sys.stderr)))
     pool.shutdown()

@@ -1,11 +1,8 @@
 """What several commands share: loading a model or a problem file or exiting with a message, checking
-requested ratios against the adapters, building the workers."""
+requested ratios against the adapters."""
 
 from __future__ import annotations
 
-import os
-
-from orchestrator.cli import byte_size
 
 
 def load_model_or_exit(args, parser):
@@ -36,19 +33,3 @@ def check_adapters(ratios, model_dir, parser, option: str) -> None:
     missing = [cr for cr in ratios if cr != 1 and cr not in available_ratios(model_dir)]
     if missing:
         parser.error(f"argument {option}: no DMS adapter for {missing[0]:g}x beside {model_dir}")
-
-
-def make_pool(model_dir, kv_budget: int | None, workers: int, reserve: str = "measured"):
-    """The workers an eval or solve runs on: Ray actors, or (``workers == 0``) one engine in this process."""
-    from workers.worker import WorkerConfig
-
-    if kv_budget is None and os.environ.get("THINKPOOL_KV_BUDGET"):
-        kv_budget = byte_size(os.environ["THINKPOOL_KV_BUDGET"])
-    config = WorkerConfig(model=str(model_dir), kv_budget_bytes=kv_budget, reserve=reserve)
-    if workers == 0:
-        from workers.local import LocalPool
-
-        return LocalPool(config)
-    from workers.pool import WorkerPool
-
-    return WorkerPool(config, num_workers=workers)

@@ -6,12 +6,13 @@ import asyncio
 import json
 import sys
 
-from orchestrator.commands.common import load_model_or_exit, make_pool, read_problems_or_exit
+from orchestrator.commands.common import load_model_or_exit, read_problems_or_exit
+from workers.runner import make_pool
 
 
 def eval_methods(args, parser, model_dir) -> list:
     """The KV methods an eval run compares, checked before any work starts."""
-    from workers.kv_methods import KVMethod, check_available
+    from evaluation.kv_methods import KVMethod, check_available
 
     if (args.press is None) != (args.compression is None):
         parser.error("argument --press: --press and --compression go together (--press NAME --compression X)")
@@ -27,10 +28,10 @@ def eval_methods(args, parser, model_dir) -> list:
 
 
 def cmd_eval(args, parser) -> int:
-    from orchestrator.evaluate import EvalOptions, evaluate, evaluate_on_pool
-    from orchestrator.plots import plot_accuracy_by_k, plot_pareto
+    from evaluation.scoring import EvalOptions, evaluate, evaluate_on_pool
+    from evaluation.plots import plot_accuracy_by_k, plot_pareto
     from tasks.jsonl import write_jsonl
-    from workers.kv_methods import kv_policy
+    from evaluation.kv_methods import kv_policy
 
     problems = read_problems_or_exit(args, parser)
     from dms_runtime.loading import default_model_path
@@ -53,10 +54,13 @@ def cmd_eval(args, parser) -> int:
     runs, records = [], []
     engine_methods = [m for m in methods if m.kind in ("vanilla", "dms")]
     if engine_methods:
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
         pool = make_pool(model_dir, args.kv_budget, args.workers, args.reserve)
-        check_budget(parser, pool, problems, options, engine_methods)
+        check_budget(parser, pool, tokenizer, problems, options, engine_methods)
         for method in engine_methods:
-            report = asyncio.run(evaluate_on_pool(problems, pool, options, method.ratio if method.kind == "dms" else 1.0,
+            report = asyncio.run(evaluate_on_pool(problems, pool, tokenizer, options, method.ratio if method.kind == "dms" else 1.0,
                                                   method.label, fit=fit, sequential=args.kv_budget is not None))
             records += [{"method": method.label, **r} for r in report.pop("problems")]
             runs.append(report)
@@ -89,57 +93,49 @@ def cmd_eval(args, parser) -> int:
     return 0
 
 
-def make_controller(args, parser, problems: list[dict], model_dir, pool):
-    """The controller and the per-problem budget of ``--kv-budget/--profile/--max-threads``, checked before any
-    work (callers make sure ``--kv-budget`` is given)."""
+def make_service(args, parser, problems: list[dict], model_dir, pool):
+    """The solve service whose controller ``eval --controller`` and ``bench controller`` score, checked before any
+    work: the profile exists and ``--kv-budget`` holds a thread of the longest problem (callers make sure
+    ``--kv-budget`` is given)."""
     from transformers import AutoTokenizer
 
-    from orchestrator.controller import Budget, Controller, check_budget as controller_budget
-    from policies.planner import CalibrationProfile
-    from tasks.prompt import format_prompt
-    from workers.kv_budget import KVBudgetModel
-    from workers.worker import available_ratios
+    from orchestrator.schemas import SolveRequest
+    from orchestrator.service import SolveService
 
     if not args.profile.is_file():
         pool.shutdown()
         parser.error(f"argument --profile: no calibration profile at {args.profile} (run thinkpool calibrate)")
-    profile = CalibrationProfile.load(args.profile)
-    ratios = sorted({1.0, *available_ratios(model_dir)} & {e.cr for e in profile.entries})
-    info = pool.info()
-    tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
-    budget = Budget(kv_budget_bytes=args.kv_budget, max_threads=args.max_threads)
+    service = SolveService(pool, AutoTokenizer.from_pretrained(model_dir, local_files_only=True), args.profile)
     longest = max((p["prompt"] for p in problems), key=len)
-    budget_model = KVBudgetModel.from_dict(info["budget_model"])
     try:
-        controller_budget(profile, budget_model.kv_bytes_per_token, ratios, len(tokenizer(format_prompt(longest))["input_ids"]),
-                          budget, budget_model)
+        service.check(SolveRequest(prompt=longest, samples="auto", mode="controller", kv_budget=args.kv_budget,
+                                   max_threads=args.max_threads))
     except ValueError as error:
         pool.shutdown()
-        parser.error(f"argument --kv-budget: {error}")
-    controller = Controller(pool, profile, tokenizer, budget_model.kv_bytes_per_token, ratios, budget_model=budget_model)
-    return controller, budget
+        field, _, message = str(error).partition(": ")
+        parser.error(f"argument --{field.replace('_', '-')}: {message}")
+    return service
 
 
-async def run_controller(problems: list[dict], pool, controller, budget, seed: int) -> dict:
-    """The controller's report on ``problems``, with the pool's KV peak and the controller's settings."""
-    from orchestrator.evaluate import evaluate_with_controller
+async def run_controller(problems: list[dict], service, kv_budget: int, max_threads: int, seed: int) -> dict:
+    """The controller's report on ``problems``, with the controller's settings."""
+    from orchestrator.controller_eval import evaluate_with_controller
 
-    await pool.reset_peaks()
-    report = await evaluate_with_controller(problems, controller, budget, seed, progress=lambda line: print(line, file=sys.stderr))
-    stats = [s for s in await pool.stats() if s is not None]
+    report = await evaluate_with_controller(problems, service, kv_budget, max_threads, seed,
+                                            progress=lambda line: print(line, file=sys.stderr))
     # temperature: the one fixed for every task, or null when each task's plan chose (see temperatures_chosen).
-    config = {"max_threads": budget.max_threads, "temperature": controller.temperature, "seed": seed}
-    return {**report, "kv_peak_bytes": max(s.pool_peak_bytes for s in stats), "kv_budget_bytes": budget.kv_budget_bytes,
-            "config": config}
+    config = {"max_threads": max_threads, "temperature": service.controller.temperature, "seed": seed}
+    return {**report, "kv_budget_bytes": kv_budget, "config": config}
 
 
 def eval_controller(args, parser, problems: list[dict], model_dir, options) -> int:
-    """``eval --controller auto``: every problem through the controller, one at a time, each with the whole pool."""
+    """``eval --controller auto``: every problem through the solve service's controller, one at a time, each
+    with the whole pool."""
     if args.kv_budget is None:
         parser.error("argument --controller: needs --kv-budget (the memory each problem's threads may hold)")
     pool = make_pool(model_dir, args.kv_budget, args.workers)
-    controller, budget = make_controller(args, parser, problems, model_dir, pool)
-    report = asyncio.run(run_controller(problems, pool, controller, budget, options.seed))
+    service = make_service(args, parser, problems, model_dir, pool)
+    report = asyncio.run(run_controller(problems, service, args.kv_budget, args.max_threads, options.seed))
     pool.shutdown()
     records = report.pop("problems")
     report["config"] = {"model": str(model_dir), "profile": str(args.profile), **report["config"]}
@@ -155,12 +151,12 @@ def eval_controller(args, parser, problems: list[dict], model_dir, options) -> i
     return 0
 
 
-def check_budget(parser, pool, problems: list[dict], options, methods) -> None:
+def check_budget(parser, pool, tokenizer, problems: list[dict], options, methods) -> None:
     """Refuse, before any work, a KV budget that cannot hold one thread of the longest problem."""
     from tasks.prompt import format_prompt
     from workers.thread import SamplingParams
 
-    longest = max((format_prompt(p["prompt"]) for p in problems), key=len)
+    longest = max((tokenizer(format_prompt(p["prompt"]))["input_ids"] for p in problems), key=len)
     params = SamplingParams(max_new_tokens=options.max_new_tokens)
     for method in methods:
         cr = method.ratio if method.kind == "dms" else 1.0

@@ -44,8 +44,8 @@ def cmd_generate(args, parser) -> int:
 def cmd_train(args, parser) -> int:
     from pydantic import ValidationError
 
-    from dms_runtime.base_train import TrainConfig, train
-    from dms_runtime.yaml_config import ConfigFileError
+    from training.base_model import TrainConfig, train
+    from training.yaml_config import ConfigFileError
 
     try:
         config = TrainConfig.from_yaml(args.config)
@@ -59,8 +59,8 @@ def cmd_train(args, parser) -> int:
 def cmd_retrofit(args, parser) -> int:
     from pydantic import ValidationError
 
-    from dms_runtime.retrofit import RetrofitConfig, retrofit
-    from dms_runtime.yaml_config import ConfigFileError
+    from training.retrofit import RetrofitConfig, retrofit
+    from training.yaml_config import ConfigFileError
 
     overrides = {
         "model": str(args.model) if args.model else None,
@@ -78,7 +78,7 @@ def cmd_retrofit(args, parser) -> int:
     if not (Path(config.model) / "config.json").is_file():
         parser.error(f"argument --model: no model at {config.model}")
     if args.thresholds_only:
-        from orchestrator.thresholds import DEFAULT_PROBLEMS
+        from training.thresholds import DEFAULT_PROBLEMS
 
         return fit_adapter_thresholds(config, parser, problems=config.threshold_problems or DEFAULT_PROBLEMS)
     written = retrofit(config, steps=args.steps)
@@ -90,9 +90,9 @@ def cmd_retrofit(args, parser) -> int:
 
 
 def fit_adapter_thresholds(config, parser, problems: int) -> int:
-    """Set each trained adapter's threshold so that it realizes its ratio (see orchestrator.thresholds)."""
+    """Set each trained adapter's threshold so that it realizes its ratio (see training.thresholds)."""
     from dms_runtime.adapters import adapter_path
-    from orchestrator.thresholds import describe, fit_thresholds
+    from training.thresholds import describe, fit_thresholds
 
     model_dir = config.output_dir if config.full_finetune else Path(config.model)
     missing = [str(adapter_path(config.output_dir, r)) for r in config.ratios if not adapter_path(config.output_dir, r).is_file()]

@@ -24,7 +24,8 @@ from tqdm import tqdm
 from dms_runtime.adapters import adapter_path, read_adapter_metadata, update_metadata
 from tasks.chain import generate_suite
 from tasks.prompt import format_prompt
-from workers.thread import SamplingParams, ThreadResult
+from workers.records import ThreadResult
+from workers.thread import SamplingParams
 from workers.worker import WorkerConfig, available_ratios, build_engine
 
 QUANTILE = 0.95
@@ -74,7 +75,7 @@ def measure_kv_growth(model_dir: str | Path, ratios: list[float] | None = None, 
             k_range = k or adapter_k_range(model_dir, cr)
             suite = generate_suite(problems, *k_range, seed=seed)
             for problem in suite:
-                engine.submit(problem["id"], format_prompt(problem["prompt"]), list(range(threads)), params, cr)
+                engine.submit(problem["id"], engine.encode(format_prompt(problem["prompt"])), list(range(threads)), params, cr)
             with tqdm(total=problems * threads, desc=f"kv growth {cr:g}x", unit="thread", disable=not progress) as bar:
                 results = engine.run(on_result=lambda _: bar.update(1))
             counted = [r for r in results if long_enough(r, engine.adapters.window(cr))]

@@ -19,10 +19,10 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from tqdm import tqdm
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
-from dms_runtime.chain_data import IGNORE, difficulty_batch
-from dms_runtime.precision import autocast
-from dms_runtime.tokenizer import build_tokenizer
-from dms_runtime.yaml_config import load_yaml_config
+from training.chain_data import IGNORE, difficulty_batch
+from training.precision import autocast
+from tasks.chain_tokenizer import build_tokenizer
+from training.yaml_config import load_yaml_config
 
 
 class ModelShape(BaseModel):
@@ -83,7 +83,7 @@ class TrainConfig(BaseModel):
 
     @classmethod
     def from_yaml(cls, path: str | Path, **overrides) -> TrainConfig:
-        """The config at ``path`` (its ``base`` chain resolved, see :mod:`dms_runtime.yaml_config`), then ``overrides``."""
+        """The config at ``path`` (its ``base`` chain resolved, see :mod:`training.yaml_config`), then ``overrides``."""
         return cls.model_validate(load_yaml_config(path) | overrides)
 
 
@@ -170,7 +170,7 @@ def train(config: TrainConfig, steps: int | None = None, quiet: bool = False) ->
         input_ids, labels = input_ids.to(device), labels.to(device)
         for group in optimizer.param_groups:
             group["lr"] = lr_at(step, config.optim)
-        with autocast(input_ids.device):  # bf16 only where the hardware has it (dms_runtime/precision.py)
+        with autocast(input_ids.device):  # bf16 only where the hardware has it (training/precision.py)
             logits = model(input_ids=input_ids).logits[:, :-1].float()
         targets = labels[:, 1:]
         loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1), ignore_index=IGNORE)

@@ -8,8 +8,8 @@ from pathlib import Path
 from typing import Iterator
 
 from dms_runtime.adapters import AdapterError, adapter_path, load_adapter
-from dms_runtime.baselines import BASELINES, HeldRatioPress
-from workers.batch_generate import KVPolicy
+from evaluation.baselines import BASELINES, HeldRatioPress
+from evaluation.reference_decode import KVPolicy
 
 
 @dataclass(frozen=True)

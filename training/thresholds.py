@@ -22,7 +22,7 @@ from dms_runtime.loading import load_model
 from policies.extraction import answers_match
 from tasks.chain import generate_suite
 from tasks.prompt import format_prompt
-from workers.batch_generate import KVPolicy, SamplingParams, generate_threads
+from evaluation.reference_decode import KVPolicy, SamplingParams, generate_threads
 
 DEFAULT_PROBLEMS = 64  # calibration problems when a config does not name a number
 

@@ -18,7 +18,7 @@ Before that, ``warmstart_steps`` steps teach each ratio's gates where to start: 
 probe mode, which reports for every key how much attention it still gets from queries beyond the
 window; the keys getting the least (a quantile at the ratio's eviction target, pooled over layers and
 heads) are labelled "evict", and the gates learn those labels (binary cross-entropy). Chain-task models
-can use role labels instead (``warmstart_labels: cot_roles``, ``dms_runtime.labels.RoleLabels``), planned
+can use role labels instead (``warmstart_labels: cot_roles``, ``training.gate_labels.RoleLabels``), planned
 once on calibration batches before the warm start. Measured on the
 shipped model, evicting by that rule alone keeps the KL near zero at 2x, whereas gates trained from KL
 alone through the straight-through estimator find it only slowly: its gradient reaches a gate only while
@@ -45,15 +45,15 @@ from tqdm import tqdm
 from dms_runtime.adapters import adapter_path, load_gates, read_adapter_metadata, save_adapter
 from dms_runtime.attach import attach_dms
 from dms_runtime.attention import shifted_decisions
-from dms_runtime.base_train import export
-from dms_runtime.chain_data import Batch, difficulty_batch, long_lived_mask, sample_lengths
+from training.base_model import export
+from training.chain_data import Batch, difficulty_batch, long_lived_mask, sample_lengths
 from dms_runtime.config import DMSConfig
 from dms_runtime.gates import build_gates
-from dms_runtime.labels import RoleLabels, eligible_mask, far_attention_labels, left_window_mask, sampled_quantile
+from training.gate_labels import RoleLabels, eligible_mask, far_attention_labels, left_window_mask, sampled_quantile
 from dms_runtime.loading import load_model
-from dms_runtime.precision import autocast
-from dms_runtime.tokenizer import writes_reversed_minus_lines
-from dms_runtime.yaml_config import load_yaml_config
+from training.precision import autocast
+from tasks.chain_tokenizer import writes_reversed_minus_lines
+from training.yaml_config import load_yaml_config
 
 
 class RetrofitConfig(BaseModel):
@@ -91,7 +91,7 @@ class RetrofitConfig(BaseModel):
     # per_head: each head keeps what it reads; per_token: every head keeps what any head reads far later
     # (on the shipped model most heads attend diffusely, and per-head labels follow that noise).
     # cot_roles: tokens of the chain of thought's long-lived regions (prompt, registers) are kept whole in as
-    # many (layer, head) pairs as each ratio allows, the rest by far attention (dms_runtime.labels.RoleLabels);
+    # many (layer, head) pairs as each ratio allows, the rest by far attention (training.gate_labels.RoleLabels);
     # only for models trained on the chain task.
     warmstart_labels: Literal["per_head", "per_token", "cot_roles"] = "per_head"
     # After the warm start, train only the weights (full fine-tuning) under the warm-started gates' decisions:
@@ -104,7 +104,7 @@ class RetrofitConfig(BaseModel):
     # make the labels readable at write time. Decisions are then deterministic (no gate noise).
     gate_supervision: float = Field(0.0, ge=0)
     # After training, fit each adapter's decision threshold so that it realizes its ratio on this many greedy
-    # solves of fresh problems (seeded by threshold_seed; see orchestrator.thresholds); 0 keeps threshold 0.
+    # solves of fresh problems (seeded by threshold_seed; see training.thresholds); 0 keeps threshold 0.
     threshold_problems: int = Field(0, ge=0)
     threshold_seed: int = 9001
     # Then measure what each adapter keeps of a thread on this many fresh problems (8 sampled threads each), the
@@ -136,7 +136,7 @@ class RetrofitConfig(BaseModel):
 
     @classmethod
     def from_yaml(cls, path: str | Path, **overrides) -> RetrofitConfig:
-        """The config at ``path`` (its ``base`` chain resolved, see :mod:`dms_runtime.yaml_config`), then ``overrides``."""
+        """The config at ``path`` (its ``base`` chain resolved, see :mod:`training.yaml_config`), then ``overrides``."""
         return cls.model_validate(load_yaml_config(path) | overrides)
 
     @property

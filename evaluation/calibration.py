@@ -33,7 +33,7 @@ def vote_accuracy(answers: list[str | None], confidences: list[float], expected:
     return sum(correct(rng.sample(range(len(answers)), n)) for _ in range(draws)) / draws
 
 
-async def calibrate(pool, bins: list[tuple[int, int]], ratios: list[float], problems: int, threads: int,
+async def calibrate(pool, tokenizer, bins: list[tuple[int, int]], ratios: list[float], problems: int, threads: int,
                     max_new_tokens: int, temperatures: list[float], seed: int, model: str, window: int, top_p: float = 1.0,
                     progress=print) -> CalibrationProfile:
     rng = random.Random(seed)
@@ -41,14 +41,15 @@ async def calibrate(pool, bins: list[tuple[int, int]], ratios: list[float], prob
     entries: list[ProfileEntry] = []
     for low, high in bins:
         suite = generate_suite(problems, low, high, seed=seed + low)
+        prompts = [tuple(tokenizer(format_prompt(p["prompt"]))["input_ids"]) for p in suite]
         for cr in ratios:
             greedy_requests = [
-                ProblemRequest(f"calibrate-{low}-{cr:g}-{i}-greedy", format_prompt(p["prompt"]), (0,),
+                ProblemRequest(f"calibrate-{low}-{cr:g}-{i}-greedy", prompts[i], (0,),
                                SamplingParams(0.0, 1.0, max_new_tokens, 0), cr)
                 for i, p in enumerate(suite)
             ]
             sampled_requests = [
-                ProblemRequest(f"calibrate-{low}-{cr:g}-{i}-t{temperature:g}", format_prompt(p["prompt"]), tuple(range(threads)),
+                ProblemRequest(f"calibrate-{low}-{cr:g}-{i}-t{temperature:g}", prompts[i], tuple(range(threads)),
                                SamplingParams(temperature, top_p, max_new_tokens, seed * 7919 + i), cr)
                 for temperature in temperatures for i, p in enumerate(suite)
             ]

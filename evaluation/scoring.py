@@ -16,8 +16,9 @@ from dataclasses import dataclass
 from dms_runtime.loading import kv_geometry
 from policies.extraction import answers_match
 from policies.voting import majority_vote
+from evaluation.reference_decode import KVPolicy, SamplingParams, generate_threads
+from tasks.jsonl import problem_seed
 from tasks.prompt import format_prompt
-from workers.batch_generate import KVPolicy, SamplingParams, generate_threads
 
 
 @dataclass(frozen=True)
@@ -115,6 +116,7 @@ def summarize(records: list[dict], tokens_generated: int, elapsed_s: float) -> d
 async def evaluate_on_pool(
     problems: list[dict],
     pool,
+    tokenizer,
     options: EvalOptions,
     cr: float,
     method: str,
@@ -126,23 +128,23 @@ async def evaluate_on_pool(
 
     ``sequential`` solves one problem at a time, each with the whole pool (``--kv-budget``); otherwise all
     problems are queued at once and the engines batch them continuously. ``fit`` runs, per problem, as
-    many threads as the pool holds at once at this ratio (``--samples fit``)."""
+    many threads as the pool holds at once at this ratio (``--samples fit``). A problem's threads are seeded
+    from its id (:func:`~tasks.jsonl.problem_seed`)."""
     from tqdm import tqdm
 
     from workers.thread import SamplingParams
     from workers.worker import ProblemRequest
 
-    def params(samples: int, index: int) -> SamplingParams:
+    def params(samples: int, problem: dict) -> SamplingParams:
         return SamplingParams(0.0 if samples == 1 else options.temperature, options.top_p, options.max_new_tokens,
-                              seed=options.seed * 1_000_003 + index)
+                              seed=problem_seed(options.seed, problem["id"]))
 
-    prompts = [format_prompt(p["prompt"]) for p in problems]
+    prompts = [tuple(tokenizer(format_prompt(p["prompt"]))["input_ids"]) for p in problems]
     counts = [options.samples] * len(problems)
     if fit:
-        counts = [await pool.fit(prompt, params(2, i), cr) for i, prompt in enumerate(prompts)]
-    requests = [
-        ProblemRequest(f"eval-{i}", prompt, tuple(range(n)), params(n, i), cr) for i, (prompt, n) in enumerate(zip(prompts, counts))
-    ]
+        counts = [await pool.fit(list(ids), params(2, p), cr) for ids, p in zip(prompts, problems)]
+    requests = [ProblemRequest(f"eval-{i}", ids, tuple(range(n)), params(n, p), cr)
+                for i, (ids, n, p) in enumerate(zip(prompts, counts, problems))]
     await pool.reset_peaks()
     started = time.perf_counter()
     with tqdm(total=sum(counts), desc=method, unit="thread", disable=not progress) as bar:
@@ -183,35 +185,5 @@ async def evaluate_on_pool(
             "max_new_tokens": options.max_new_tokens,
             "seed": options.seed,
         },
-        "problems": records,
-    }
-
-
-async def evaluate_with_controller(problems: list[dict], controller, budget, seed: int = 0, progress=None) -> dict:
-    """Score ``problems`` through the controller, one at a time, each with the whole ``budget``.
-
-    Returns the summary with the ratios and thread counts it chose, and one record per problem."""
-    records, tokens = [], 0
-    started = time.perf_counter()
-    for index, problem in enumerate(problems):
-        state = await controller.solve(f"eval-{index}-{problem['id']}", problem["prompt"], budget, seed=seed * 1_000_003 + index)
-        threads = state["threads"]
-        tokens += sum(t["tokens"] for t in threads)
-        records.append({"id": problem["id"], "k": problem.get("k"), "expected": problem["answer"], "answer": state["answer"],
-                        "correct": answers_match(state["answer"], problem["answer"]), "votes": state["votes"],
-                        "thread_accuracy": sum(answers_match(t["answer"], problem["answer"]) for t in threads) / len(threads),
-                        "threads": len(threads), "cr": state["cr"], "temperature": controller.sampling_temperature(state),
-                        "stop_reason": state["stop_reason"],
-                        "tokens": sum(t["tokens"] for t in threads), "rounds": state["rounds"]})
-        if progress is not None:
-            progress(f"{problem['id']}: k={problem.get('k')} {state['cr']:g}x x{len(threads)} -> {state['answer']} "
-                     f"({'right' if records[-1]['correct'] else 'wrong'}, {state['stop_reason']})")
-    return {
-        "method": "controller",
-        **summarize(records, tokens, time.perf_counter() - started),
-        "samples_per_problem": sum(r["threads"] for r in records) / len(records),
-        "ratios_chosen": {f"{cr:g}": sum(r["cr"] == cr for r in records) for cr in sorted({r["cr"] for r in records})},
-        "threads_chosen": {str(n): sum(r["threads"] == n for r in records) for n in sorted({r["threads"] for r in records})},
-        "temperatures_chosen": {f"{t:g}": sum(r["temperature"] == t for r in records) for t in sorted({r["temperature"] for r in records})},
         "problems": records,
     }

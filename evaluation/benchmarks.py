@@ -55,14 +55,14 @@ def bench_hf_generate(model, tokenizer, prompts: list[str], budget: int, params:
 
 def bench_engine(engine, prompts: list[str], cr: float, params: SamplingParams) -> dict:
     """As many threads as fit at once in the engine's pool at ratio ``cr``, spread over ``prompts``."""
-    threads = engine.fit(prompts[0], params, cr)
+    threads = engine.fit(engine.encode(prompts[0]), params, cr)
     per_prompt = [threads // len(prompts) + (i < threads % len(prompts)) for i in range(len(prompts))]
     engine.pool.high_water = 0
     tokens_before, peak_running = engine.tokens_generated, 0
     started = time.perf_counter()
     for i, (prompt, n) in enumerate(zip(prompts, per_prompt)):
         if n:
-            engine.submit(f"bench-{cr:g}-{i}", prompt, list(range(n)), SamplingParams(
+            engine.submit(f"bench-{cr:g}-{i}", engine.encode(prompt), list(range(n)), SamplingParams(
                 params.temperature, params.top_p, params.max_new_tokens, params.seed + i), cr)
     while engine.has_work():
         engine.step()
@@ -93,7 +93,7 @@ def bench_throughput(model_dir: str | Path, budget: int, max_new_tokens: int, pr
     return {"kv_budget_bytes": engine.pool.budget_bytes, "max_new_tokens": max_new_tokens, "prompts": prompts, "runs": runs}
 
 
-def bench_overhead(pool, prompt: str, samples: int, max_new_tokens: int, repeats: int = 3) -> dict:
+def bench_overhead(pool, prompt_ids: list[int], samples: int, max_new_tokens: int, repeats: int = 3) -> dict:
     """Wall time of a ``samples``-thread solve through ``pool`` against the engine's own busy time for it.
 
     Both clocks cover the same request in the same run, so the difference is what the path around the
@@ -105,7 +105,7 @@ def bench_overhead(pool, prompt: str, samples: int, max_new_tokens: int, repeats
     async def one(index: int) -> tuple[float, float]:
         before = [s for s in await pool.stats() if s is not None]
         started = time.perf_counter()
-        await pool.collect(ProblemRequest(f"overhead-{index}", prompt, tuple(range(samples)),
+        await pool.collect(ProblemRequest(f"overhead-{index}", tuple(prompt_ids), tuple(range(samples)),
                                           SamplingParams(0.8, 1.0, max_new_tokens, index)))
         wall = time.perf_counter() - started
         after = [s for s in await pool.stats() if s is not None]
@@ -158,7 +158,7 @@ async def bench_load(url: str, concurrency: int, requests: int, samples: int = 2
         metrics = (await client.get("/metrics")).text
     gauges = {line.split()[0]: float(line.split()[1]) for line in metrics.splitlines()
               if line.startswith("thinkpool_pool") and not line.startswith("#")}
-    from orchestrator.kv_growth import quantile
+    from training.measure_kv_growth import quantile
 
     def percentile(q: float) -> float:
         return round(quantile(latencies, q), 3)
