@@ -158,7 +158,7 @@ async def bench_load(url: str, concurrency: int, requests: int, samples: int = 2
         metrics = (await client.get("/metrics")).text
     gauges = {line.split()[0]: float(line.split()[1]) for line in metrics.splitlines()
               if line.startswith("thinkpool_pool") and not line.startswith("#")}
-    from training.measure_kv_growth import quantile
+    from policies.statistics import quantile
 
     def percentile(q: float) -> float:
         return round(quantile(latencies, q), 3)

@@ -73,7 +73,7 @@ def create_app(service_factory, store=None) -> FastAPI:
         "threads_running": "threads decoding", "threads_waiting": "threads queued", "tokens_per_s": "engine tokens per second",
         "realized_cr": "mean realized compression of recent threads",
         "engine_busy_seconds": "time the engines spent stepping, all workers"}.items()}
-    state: dict = {"events": {}, "tasks": {}, "recent_cr": [], "finished": []}
+    state: dict = {"events": {}, "tasks": {}, "recent_cr": [], "finished": [], "cancelling": set()}
     keys = parse_keys(os.environ.get("THINKPOOL_API_KEYS", ""))
 
     @asynccontextmanager
@@ -122,9 +122,11 @@ def create_app(service_factory, store=None) -> FastAPI:
         store.save(job)
         publish(job.id, "state", {"state": "running"})
         try:
-            job.result = await state["service"].solve(job.request, job_id=job.id,
-                                                      on_event=lambda name, data: publish(job.id, name, data))
-            job.state = "done"
+            result = await state["service"].solve(job.request, job_id=job.id,
+                                                  on_event=lambda name, data: publish(job.id, name, data))
+            if job.id in state["cancelling"]:
+                raise asyncio.CancelledError
+            job.result, job.state = result, "done"
             record(job.result)
             publish(job.id, "votes", {"votes": job.result.votes, "answer": job.result.answer})
         except asyncio.CancelledError:
@@ -134,6 +136,7 @@ def create_app(service_factory, store=None) -> FastAPI:
         store.save(job)
         publish(job.id, "done", {"state": job.state})
         state["tasks"].pop(job.id, None)
+        state["cancelling"].discard(job.id)
 
     def start_job(job: Job) -> None:
         state["tasks"][job.id] = asyncio.get_event_loop().create_task(run_job(job))
@@ -185,6 +188,7 @@ def create_app(service_factory, store=None) -> FastAPI:
             raise HTTPException(status_code=404, detail=f"no job {job_id}")
         task = state["tasks"].get(job_id)
         if task is not None:
+            state["cancelling"].add(job_id)
             await state["service"].cancel(job_id)  # every thread of the job stops on its worker; its KV is free
             task.cancel()
             await asyncio.gather(task, return_exceptions=True)

@@ -131,6 +131,7 @@ class Controller:
         self.min_gain = min_gain  # escalating past the plan must be expected to add this much accuracy
         self.allocators = allocators  # one per worker, shared by the controllers of tasks that run at once (None: no ranking)
         self._listeners: dict[str, EventListener] = {}  # task id -> who hears its events
+        self._cancelled: set[str] = set()  # tasks told to stop: their next decision ends them
         # task id -> (its worker's allocator, ratio -> bytes its held prompt holds there)
         self._prompt_grants: dict[str, tuple[ThreadAllocator, dict[float, int]]] = {}
         self.graph = self._build().compile(checkpointer=checkpointer if checkpointer is not None else make_checkpointer())
@@ -256,7 +257,13 @@ class Controller:
             vote = majority_vote(answers, [t["mean_logprob"] for t in threads])
         return {"answer": vote.answer, "votes": vote.counts}
 
+    def cancel(self, task_id: str) -> None:
+        """End a running task at its next decision (its threads are stopped by the pool's cancel)."""
+        self._cancelled.add(task_id)
+
     def decide(self, state: SolveState) -> dict:
+        if state["task_id"] in self._cancelled:
+            return {"stop_reason": "cancelled"}
         used = len(state["threads"])
         greedy_round = self.greedy_round(state["round_samples"])
         if greedy_round:
@@ -341,6 +348,7 @@ class Controller:
             return await self.graph.ainvoke(initial, config)
         finally:
             self._listeners.pop(task_id, None)
+            self._cancelled.discard(task_id)
             self._release_prompts(task_id)
 
 

@@ -129,7 +129,10 @@ class SolveService:
         return sorted(await self.pool.collect(work, thread_done), key=lambda t: t.sample)
 
     async def cancel(self, job_id: str) -> int:
-        """Stop every thread of a job's task on its worker and free its KV now."""
+        """Stop every thread of a job's task on its worker and free its KV now; a controller task ends at its
+        next decision, dispatching nothing more."""
+        if self.controller is not None:
+            self.controller.cancel(job_id)
         return await self.pool.cancel(job_id)
 
 

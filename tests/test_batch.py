@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 from ports import free_port
+from ray_cluster import stop_cluster
 
 REPO = Path(__file__).resolve().parent.parent
 RAY = str(Path(sys.executable).with_name("ray"))
@@ -26,7 +27,7 @@ def cluster(tmp_path_factory):
                              capture_output=True, text=True, env=ENV, timeout=180)
     assert started.returncode == 0, started.stderr
     yield f"http://127.0.0.1:{dashboard}"
-    subprocess.run([RAY, "stop", "--force"], capture_output=True, timeout=120, env=ENV)
+    stop_cluster(temp)  # this cluster's processes only, by process id
 
 
 def test_ray_job_submit_runs_the_batch_and_resume_skips_done_ids(cluster, easy_file, tmp_path):
@@ -53,6 +54,19 @@ def test_ray_job_submit_runs_the_batch_and_resume_skips_done_ids(cluster, easy_f
                            env={**ENV, "RAY_ADDRESS": "auto"})
     assert again.returncode == 0, again.stderr[-2000:]
     assert len((tmp_path / "results.jsonl").read_text().splitlines()) == 4
+    # A resumed run gives each remaining problem the threads a full run gives it: seeds come from problem ids.
+    partial = tmp_path / "partial.jsonl"
+    partial.write_text("\n".join(json.dumps(r) for r in results[:2]) + "\n")
+    resumed = subprocess.run([sys.executable, "-m", "orchestrator.batch", "--input", str(problems), "--output", str(partial),
+                              "--samples", "2", "--resume"], capture_output=True, text=True, timeout=600, cwd=REPO,
+                             env={**ENV, "RAY_ADDRESS": "auto"})
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    def threads(record: dict) -> list:
+        return [(t["answer"], t["tokens"]) for t in record["threads"]]
+
+    by_id = {r["id"]: threads(r) for r in results}
+    rest = [json.loads(line) for line in partial.read_text().splitlines()[2:]]
+    assert len(rest) == 2 and all(threads(r) == by_id[r["id"]] for r in rest)
 
 
 def test_bad_arguments_exit_2():

@@ -15,12 +15,12 @@ reserved what threads of that length kept, not the long-run fraction.
 from __future__ import annotations
 
 import json
-import math
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from tqdm import tqdm
 
+from policies.statistics import quantile
 from dms_runtime.adapters import adapter_path, read_adapter_metadata, update_metadata
 from tasks.chain import generate_suite
 from tasks.prompt import format_prompt
@@ -49,12 +49,6 @@ class KVGrowthFit:
     seed: int
     temperature: float
     max_new_tokens: int
-
-
-def quantile(values: list[float], q: float) -> float:
-    """The nearest-rank ``q`` quantile (an observed value: never below what that share of threads kept)."""
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, max(0, math.ceil(q * len(ordered)) - 1))]
 
 
 def adapter_k_range(model_dir: str | Path, cr: float) -> tuple[int, int]:

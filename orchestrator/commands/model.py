@@ -100,7 +100,7 @@ def fit_adapter_thresholds(config, parser, problems: int) -> int:
         parser.error(f"argument --thresholds-only: no trained adapter at {', '.join(missing)}")
     print(describe(fit_thresholds(model_dir, config.output_dir, config.ratios, config.k_min, config.k_max, problems, config.threshold_seed)))
     if config.kv_growth_problems and Path(model_dir).resolve() == Path(config.output_dir).resolve():
-        from orchestrator import kv_growth
+        from training import measure_kv_growth as kv_growth
 
         fits = kv_growth.measure_kv_growth(model_dir, config.ratios, problems=config.kv_growth_problems)
         kv_growth.store(model_dir, fits)
@@ -109,7 +109,7 @@ def fit_adapter_thresholds(config, parser, problems: int) -> int:
 
 
 def cmd_kv_growth(args, parser) -> int:
-    from orchestrator import kv_growth
+    from training import measure_kv_growth as kv_growth
     from workers.worker import available_ratios
 
     if not (args.model / "config.json").is_file():
