@@ -13,4 +13,4 @@ if ! command -v redis-server >/dev/null; then
 fi
 bash scripts/setup.sh
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
-exec .venv/bin/python -m pytest -q tests "$@"
+exec .venv/bin/python -m pytest -q tests research/tests "$@"

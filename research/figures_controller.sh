@@ -2,9 +2,10 @@
 # The controller against fixed (ratio, threads) configurations: same fresh mixed problems, same KV budget.
 # 1. the calibration profile of the DMS model at every ratio; 2. the comparison (JSON + PNG).
 # CAL_PROBLEMS: fresh problems per difficulty bin (16: about 25 minutes); FIXED: the fixed configurations.
-# The figures in docs/results/ are the first shipped model's: DMS=checkpoints/chain-qwen3-v1-dms
-# PROFILE=configs/calibration_chain_v1_dms.json TAG=shipped THINKPOOL_SAMPLING_TEMPERATURE=0.8 (the default then:
-# calibrate and the fixed configurations sample at the default temperature).
+# The figures in docs/results/ are the first shipped model's (docs/controller.md; its checkpoints rebuilt first:
+# bash research/rebuild_first_model.sh): DMS=checkpoints/chain-qwen3-v1-dms PROFILE=configs/calibration_chain_v1_dms.json
+# TAG=v1 THINKPOOL_SAMPLING_TEMPERATURE=0.8 (the default then: calibrate and the fixed configurations sample at the
+# default temperature).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=docs/results

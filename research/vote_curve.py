@@ -1,7 +1,7 @@
 """Majority-vote accuracy against the number of threads, from the threads ``eval --output`` keeps.
 
     thinkpool eval --problems hard.jsonl --samples fit --kv-budget 13.5MB --workers 0 --output runs/threads.jsonl
-    .venv/bin/python scripts/vote_curve.py "DMS 8x=runs/threads.jsonl" "vanilla=runs/vanilla.jsonl" --plot curve.png
+    .venv/bin/python research/vote_curve.py "DMS 8x=runs/threads.jsonl" "vanilla=runs/vanilla.jsonl" --plot curve.png
 
 For each n up to the threads a problem kept, the vote of n of them drawn at random (``--draws`` draws per
 problem, seeded): what a smaller budget would have voted with the same model. It shows where a run sits on

@@ -1,7 +1,7 @@
 """Score answer aggregations on the same sampled threads: an ``eval --output`` file in, one JSON object out.
 
     thinkpool eval --problems hard.jsonl --samples 16 --workers 0 --output runs/threads.jsonl
-    .venv/bin/python scripts/score_aggregations.py runs/threads.jsonl
+    .venv/bin/python research/score_aggregations.py runs/threads.jsonl
 
 Every rule sees the threads each problem's record keeps (answer, mean and min log-probability), so the
 comparison is paired: a difference comes from the rule, not from different samples.

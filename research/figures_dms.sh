@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
-# DMS against vanilla and the training-free baselines, greedy, on fresh problems.
+# DMS against vanilla and the training-free baselines, greedy, on fresh problems (docs/dms.md).
 # Vanilla is the shipped base model; the DMS ratios run on the retrofitted copy (checkpoints/chain-qwen3-dms,
-# where CR 1 is its fine-tuned weights without eviction). Outputs: docs/results/v2/ (the model shipped since
-# session 26). The first shipped model's, in docs/results/:
-#   THINKPOOL_MODEL=checkpoints/chain-qwen3-v1 DMS=checkpoints/chain-qwen3-v1-dms OUT=docs/results bash scripts/issue3_figures.sh
+# where CR 1 is its fine-tuned weights without eviction). Outputs: docs/results/v2/. The first shipped model's
+# figures, in docs/results/ (its checkpoints rebuilt first: bash research/rebuild_first_model.sh):
+#   THINKPOOL_MODEL=checkpoints/chain-qwen3-v1 DMS=checkpoints/chain-qwen3-v1-dms OUT=docs/results bash research/figures_dms.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-docs/results/v2}

@@ -1,6 +1,6 @@
 """The accuracy gain of one method over another on the same problems, per draw and pooled, with its uncertainty.
 
-    .venv/bin/python scripts/paired_gain.py "fresh 200=runs/dms.jsonl,runs/vanilla.jsonl" "140=..." \
+    .venv/bin/python research/paired_gain.py "fresh 200=runs/dms.jsonl,runs/vanilla.jsonl" "140=..." \
         --names "8x-long" "vanilla" --plot gain.png
 
 Each DRAW=A,B pairs two ``eval --output`` files of the same problems (matched by id). Every vote is re-scored
@@ -16,7 +16,7 @@ import json
 import random
 from pathlib import Path
 
-from training.measure_kv_growth import quantile
+from policies.statistics import quantile
 from policies.extraction import answers_match
 from vote_curve import kept_threads, read_records, vote  # this folder's script: the eval's vote over kept threads
 

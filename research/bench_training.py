@@ -1,10 +1,10 @@
 """Side-by-side timings of the training paths, printed as one JSON object.
 
-    .venv/bin/python scripts/bench_training.py [--repeats 3] [--tokens 6000]
+    .venv/bin/python research/bench_training.py [--repeats 3] [--tokens 6000] [--k 18]
 
-- precision: a forward and backward pass of the shipped model over ``--tokens`` tokens of hard chain-task
-  examples, in fp32 and under bf16 autocast (which ``training/precision.py`` enables only where the CPU
-  computes bf16 natively);
+- precision: a forward and backward pass of the shipped model over ``--tokens`` tokens of chain-task examples
+  of difficulty ``--k`` (18: hard ones; a batch holds whole examples, at least one), in fp32 and under bf16
+  autocast (which ``training/precision.py`` enables only where the CPU computes bf16 natively);
 - attention: DMS training attention (forward and backward, one layer) over one batch of that shape, in the
   dtype training's autocast gives it: through the fused CPU kernel (``dms_runtime/evicting_attention.py``, what
   ``_train_attention`` runs on the CPU), through SDPA with the eviction bias as a float mask (what it runs on
@@ -55,9 +55,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--tokens", type=int, default=6000)
+    parser.add_argument("--k", type=int, default=18, help="difficulty of the batch's examples")
     args = parser.parse_args()
     model, tokenizer = load_model()
-    batch = difficulty_batch(tokenizer, random.Random(3), 18, 18, args.tokens)
+    batch = difficulty_batch(tokenizer, random.Random(3), args.k, args.k, args.tokens)
 
     def model_step(bf16: bool):
         def step():

@@ -1,0 +1,100 @@
+"""The analysis tools in research/, run as a user runs them (``research/<name>.py`` from the repository root),
+on small hand-made thread files."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def tool(name: str, *args: str, timeout: int = 120) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, f"research/{name}.py", *args], cwd=ROOT, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def write_jsonl(path: Path, records: list[dict]) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return path
+
+
+def test_vote_curve_draws_subsets_of_the_kept_threads(tmp_path):
+    """Two problems: one whose threads are right 2 times in 3, one never right."""
+    threads = write_jsonl(tmp_path / "threads.jsonl", [
+        {"expected": "1", "correct": True, "threads": [{"answer": "1"}, {"answer": "1"}, {"answer": "2"}]},
+        {"expected": "5", "correct": False, "threads": [{"answer": "4"}, {"answer": "6"}, {"answer": None}]},
+    ])
+    plot = tmp_path / "curve.png"
+    done = tool("vote_curve", f"run={threads}", "--draws", "400", "--plot", str(plot))
+    assert done.returncode == 0, done.stderr
+    run = json.loads(done.stdout)["runs"][0]
+    assert run["n"] == 2 and run["threads"] == 3 and run["accuracy"] == 0.5
+    curve = {int(n): v for n, v in run["curve"].items()}
+    assert sorted(curve) == [1, 2, 3] and curve[3] == 0.5  # all three: the first problem's vote is right
+    assert abs(curve[1] - 1 / 3) < 0.06 and abs(curve[2] - 1 / 3) < 0.06  # 2/3 right on one problem of two
+    assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    bad = tool("vote_curve", str(threads))
+    assert bad.returncode == 2 and "LABEL=FILE" in bad.stderr
+
+
+def test_paired_gain_rescores_votes_and_pairs_problems_by_id(tmp_path):
+    """A solves both problems (one by a confidence tie-break), B only the first; the files list them in other orders."""
+    a = [{"id": "p1", "expected": "1", "threads": [{"answer": "1", "mean_logprob": -0.1}]},
+         {"id": "p2", "expected": "2", "threads": [{"answer": "3", "mean_logprob": -0.9}, {"answer": "2", "mean_logprob": -0.1}]}]
+    b = [{"id": "p2", "expected": "2", "threads": [{"answer": "3", "mean_logprob": -0.1}]},
+         {"id": "p1", "expected": "1", "threads": [{"answer": "1", "mean_logprob": -0.1}]}]
+    files = {name: write_jsonl(tmp_path / f"{name}.jsonl", records) for name, records in (("a", a), ("b", b), ("short", b[:1]))}
+    plot = tmp_path / "gain.png"
+    done = tool("paired_gain", f"draw={files['a']},{files['b']}", "--plot", str(plot))
+    assert done.returncode == 0, done.stderr
+    report = json.loads(done.stdout)
+    draw = report["draws"][0]
+    assert (draw["a"], draw["b"], draw["gain"], draw["only_a_right"], draw["only_b_right"]) == (1.0, 0.5, 0.5, 1, 0)
+    assert draw["gain_95"][0] <= 0.5 <= draw["gain_95"][1] and report["pooled"]["n"] == 2
+    assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    mismatched = tool("paired_gain", f"draw={files['a']},{files['short']}")
+    assert mismatched.returncode == 2 and "different problems" in mismatched.stderr
+
+
+def test_score_aggregations_scores_every_rule_on_the_same_threads(tmp_path):
+    """Problem A ties 2-2: the confident pair is right, the first to arrive and the two with the best worst token
+    are wrong. Problem B: two threads right, one very sure wrong one that wins once only the best half votes."""
+    def thread(answer, mean, least):
+        return {"answer": answer, "mean_logprob": mean, "min_logprob": least}
+
+    records = [
+        {"id": "A", "expected": "1", "threads": [thread("2", -0.9, -1.0), thread("1", -0.1, -3.0),
+                                                 thread("1", -0.2, -2.5), thread("2", -0.8, -0.9)]},
+        {"id": "B", "expected": "5", "threads": [thread("5", -0.5, -0.6), thread("5", -0.6, -0.7),
+                                                 thread("7", -0.05, -0.1)]},
+        {"id": "C", "expected": "3", "threads": []},  # kept no threads: left out
+    ]
+    done = tool("score_aggregations", str(write_jsonl(tmp_path / "threads.jsonl", records)))
+    assert done.returncode == 0, done.stderr
+    report = json.loads(done.stdout)
+    assert report["n"] == 2 and report["ties_for_first"] == 1
+    assert report["accuracy"] == {
+        "majority": 1.0,
+        "majority, ties by first arrival": 0.5,
+        "weighted by exp(mean logprob)": 1.0,
+        "confidence (DeepConf, best half)": 0.5,
+        "confidence by min logprob (best half)": 0.0,
+    }
+    empty = tool("score_aggregations", str(write_jsonl(tmp_path / "none.jsonl", records[2:])))
+    assert empty.returncode == 1 and "no record keeps its threads" in empty.stderr
+
+
+def test_bench_training_times_every_path_on_one_small_batch():
+    done = tool("bench_training", "--k", "2", "--tokens", "100", "--repeats", "1", timeout=300)
+    assert done.returncode == 0, done.stderr
+    report = json.loads(done.stdout)
+    assert report["batch"]["rows"] == 1 and report["batch"]["tokens"] >= 100  # one whole example of k = 2
+    assert report["repeats"] == 1
+    assert set(report["precision_s"]) == {"fp32", "bf16_autocast"}
+    assert set(report["attention_s"]) == {"fused", "bias_mask", "explicit"}
+    assert set(report["dms_model_train_s"]) == {"fused", "bias_mask"}
+    timings = [*report["precision_s"].values(), *report["attention_s"].values(), *report["dms_model_train_s"].values()]
+    assert all(t >= 0 for t in timings)
+    # Attention runs in the dtype training's autocast gives it on this CPU.
+    assert report["attention_dtype"] == ("bfloat16" if report["cpu_native_bf16"] else "float32")
