@@ -97,7 +97,7 @@ class WorkerPool(ThreadRunner):
             sent = len(owed)
             self._outstanding[index] += sent
             try:
-                async for ref in target.run.remote(replace(request, request_id=sub_id, samples=tuple(sorted(owed)))):
+                async for ref in target.run.remote(replace(request, request_id=sub_id, task_id=task, samples=tuple(sorted(owed)))):
                     result: ThreadResult = await ref
                     if result.sample in owed:
                         owed.discard(result.sample)
