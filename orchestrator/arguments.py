@@ -35,7 +35,7 @@ def k_range(text: str) -> tuple[int, int]:
 
 def byte_size(text: str) -> int:
     """Bytes: ``12000000``, ``12e6``, ``64MiB``, ``1.5GB``."""
-    from workers.runner import parse_bytes
+    from workers.factory import parse_bytes
 
     try:
         return parse_bytes(text)

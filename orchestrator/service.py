@@ -141,7 +141,7 @@ def service_factory(model_dir, kv_budget: int | None, workers: int, profile_path
     def build() -> SolveService:
         from transformers import AutoTokenizer
 
-        from workers.runner import make_pool
+        from workers.factory import make_pool
 
         pool = make_pool(model_dir, kv_budget, workers)
         return SolveService(pool, AutoTokenizer.from_pretrained(model_dir, local_files_only=True), profile_path)

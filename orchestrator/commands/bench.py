@@ -8,7 +8,7 @@ import os
 import sys
 
 from orchestrator.commands.common import check_adapters, read_problems_or_exit
-from workers.runner import make_pool
+from workers.factory import make_pool
 
 
 def cmd_bench(args, parser) -> int:

@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 from orchestrator.commands.common import check_adapters
-from workers.runner import make_pool
+from workers.factory import make_pool
 
 
 def cmd_calibrate(args, parser) -> int:

@@ -7,7 +7,7 @@ import json
 import sys
 
 from orchestrator.commands.common import load_model_or_exit, read_problems_or_exit
-from workers.runner import make_pool
+from workers.factory import make_pool
 
 
 def eval_methods(args, parser, model_dir) -> list:
