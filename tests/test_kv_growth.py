@@ -3,8 +3,6 @@
 import json
 import shutil
 
-import pytest
-
 from dms_runtime.adapters import adapter_path
 from dms_runtime.kv_growth import KVGrowth, read_kv_growth
 from dms_runtime.loading import REPO_ROOT
@@ -15,24 +13,26 @@ from workers.kv_budget import KVBudgetModel
 from workers.thread import SamplingParams
 from workers.worker import WorkerConfig, available_ratios, build_engine
 
-LONG = REPO_ROOT / "checkpoints" / "chain-qwen3-v1-dms-8x-long"
+SHIPPED_DMS = REPO_ROOT / "checkpoints" / "chain-qwen3-dms"
 EQUAL_MEMORY = 13_500_000  # the equal-memory budget: about four vanilla threads of 1000 tokens
 
 
-@pytest.mark.parametrize("model", ["chain-qwen3-dms", "chain-qwen3-v1-dms", "chain-qwen3-v1-dms-8x-1h", "chain-qwen3-v1-dms-8x-long"])
-def test_every_shipped_adapter_carries_its_measured_growth(model):
-    for cr in available_ratios(REPO_ROOT / "checkpoints" / model):
-        growth = read_kv_growth(adapter_path(REPO_ROOT / "checkpoints" / model, cr))
-        assert growth is not None, f"{model} {cr:g}x was never measured (thinkpool kv-growth)"
+def test_every_shipped_adapter_carries_its_measured_growth():
+    ratios = available_ratios(SHIPPED_DMS)
+    assert ratios
+    for cr in ratios:
+        growth = read_kv_growth(adapter_path(SHIPPED_DMS, cr))
+        assert growth is not None, f"{cr:g}x was never measured (thinkpool kv-growth)"
         assert 0 < growth.generated < 1 and 0 < growth.prompt <= 1
         lengths = [p for p, _ in growth.generated_curve]
-        assert len(lengths) >= 4 and lengths == sorted(lengths), f"{model} {cr:g}x has no growth curve"
+        assert len(lengths) >= 4 and lengths == sorted(lengths), f"{cr:g}x has no growth curve"
 
 
 def test_kv_growth_measures_stores_and_lets_the_pool_hold_more_threads(tmp_path):
     model = tmp_path / "model"
-    shutil.copytree(LONG, model)
-    done = thinkpool("kv-growth", "--model", str(model), "--problems", "2", "--threads", "4", "--k", "14-15", "--seed", "5")
+    shutil.copytree(SHIPPED_DMS, model)
+    done = thinkpool("kv-growth", "--model", str(model), "--cr", "8", "--problems", "2", "--threads", "4", "--k", "14-15",
+                     "--seed", "5")
     assert done.returncode == 0, done.stderr
     fit = json.loads(done.stdout.strip().splitlines()[-1])
     assert fit["cr"] == 8 and fit["threads"] == 8 and fit["k"] == [14, 15]

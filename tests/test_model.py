@@ -80,17 +80,20 @@ def test_the_shipped_model_samples_several_valid_chains_of_thought(shipped):
 
 def test_the_shipped_model_reads_a_subtraction_either_way():
     """The shipped model (configs/train_reversed_minus.yaml): its config records the extra form, its tokenizer holds
-    ``~``, and its sampled threads take both forms of a ``-`` line, validly; the first shipped model has one form."""
+    ``~`` (one row more than the stage-1 model it was fine-tuned from, which has one form), and its sampled threads
+    take both forms of a ``-`` line, validly."""
     tokenizer = AutoTokenizer.from_pretrained(SHIPPED_MODEL, local_files_only=True)
     model = AutoModelForCausalLM.from_pretrained(SHIPPED_MODEL, local_files_only=True)
-    first = AutoModelForCausalLM.from_pretrained(SHIPPED_MODEL.parent / "chain-qwen3-v1", local_files_only=True)
-    assert writes_reversed_minus(model) and not writes_reversed_minus(first)
+    stage1_dir = SHIPPED_MODEL.parent / "chain-qwen3-onepath"
+    stage1 = AutoModelForCausalLM.from_pretrained(stage1_dir, local_files_only=True)
+    assert writes_reversed_minus(model) and not writes_reversed_minus(stage1)
     assert tokenizer.convert_tokens_to_ids(REVERSED_MINUS) == len(tokenizer) - 1
+    stage1_tokenizer = AutoTokenizer.from_pretrained(stage1_dir, local_files_only=True)
+    assert REVERSED_MINUS not in stage1_tokenizer.get_vocab() and len(stage1_tokenizer) == len(tokenizer) - 1
     rng = random.Random(11)
     problem = next(p for p in (generate_problem(rng, 6) for _ in range(100))
                    if any(a.op == "-" and a.y != a.z for a in p.assignments))
     result = generate_threads(model, tokenizer, [format_prompt(problem.text)], 8,
                               SamplingParams(temperature=1.0, max_new_tokens=600, seed=3), progress=False)
-    assert sum(t.answer == problem.answer for t in result.threads) >= 6
     reversed_threads = [t.text for t in result.threads if REVERSED_MINUS in t.text]
     assert 0 < len(reversed_threads) < 8 and any(is_valid_cot(text, problem) for text in reversed_threads)

@@ -1,6 +1,7 @@
 """Fitting a DMS adapter's threshold to its target ratio, on the shipped retrofitted model and its adapters."""
 
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -13,10 +14,6 @@ from training.thresholds import fit_threshold, measure
 from tasks.chain import generate_suite
 
 SHIPPED_DMS = REPO_ROOT / "checkpoints" / "chain-qwen3-dms"
-# The 8x-only retrofits of the first shipped model (chain-qwen3-v1), kept beside the three-ratio ones: each with
-# the config that trains it and a difficulty range it serves (the long-reasoning one never saw short problems).
-EIGHT_X_RETROFITS = [("chain-qwen3-v1-dms-8x-1h", "retrofit_chain_1h.yaml", (4, 6)),
-                     ("chain-qwen3-v1-dms-8x-long", "retrofit_chain_8x_long.yaml", (12, 14))]
 
 
 @pytest.fixture(scope="module")
@@ -61,16 +58,31 @@ def test_the_fit_moves_towards_the_target(adapter_8x, dms_model):
         assert (fit.threshold > 0) == (start > 8)
 
 
-@pytest.mark.parametrize(("checkpoint", "config_file", "k_range"), EIGHT_X_RETROFITS)
-def test_an_8x_retrofit_is_what_its_config_trains_and_it_compresses(checkpoint, config_file, k_range):
-    """Each shipped 8x-only retrofit comes from its config (8x alone, its steps, its difficulty range), loads onto
-    its own weights, and solves problems of a difficulty it serves greedily at several times less KV."""
+def test_the_shipped_retrofit_is_what_its_config_trains_and_a_higher_ratio_holds_less(dms_model):
+    """checkpoints/chain-qwen3-dms comes from configs/retrofit_chain.yaml (its ratios, steps and difficulty range),
+    every adapter loads onto its weights at its fitted threshold, and on the same problems each higher ratio
+    holds less KV while the greedy threads still solve them."""
+    config = RetrofitConfig.from_yaml(REPO_ROOT / "configs" / "retrofit_chain.yaml")
+    assert (REPO_ROOT / config.output).resolve() == SHIPPED_DMS.resolve() and config.full_finetune
+    problems = generate_suite(3, 4, 6, seed=13)
+    realized = {}
+    for cr in config.ratios:
+        metadata = read_adapter_metadata(adapter_path(SHIPPED_DMS, cr))
+        assert metadata["target_cr"] == cr and metadata["train_steps"] == config.total_steps
+        assert metadata["threshold_fit"]["k"] == [config.k_min, config.k_max]
+        assert sorted(metadata["ratios_trained_together"]) == sorted(config.ratios)
+        realized[cr], accuracy = measure(*dms_model, adapter_path(SHIPPED_DMS, cr), metadata["dms_config"]["threshold"],
+                                         problems)
+        assert accuracy >= 2 / 3, f"{cr}x"
+    ratios = sorted(realized)
+    assert realized[ratios[0]] > 1 and all(realized[a] < realized[b] for a, b in zip(ratios, ratios[1:]))
+
+
+@pytest.mark.parametrize(("config_file", "k_range"), [("retrofit_chain_1h.yaml", (1, 20)),
+                                                      ("retrofit_chain_8x_long.yaml", (12, 20))])
+def test_the_first_models_8x_only_recipes_still_read(config_file, k_range):
+    """The 8x-only retrofits of the first shipped model are no longer shipped; their configs rebuild them
+    (docs/history.md): 8x alone, every row training it, on the first model, over their difficulty range."""
     config = RetrofitConfig.from_yaml(REPO_ROOT / "configs" / config_file)
-    model_dir = REPO_ROOT / "checkpoints" / checkpoint
-    metadata = read_adapter_metadata(adapter_path(model_dir, 8))
-    assert config.ratios == [8] and metadata["target_cr"] == 8 and metadata["train_steps"] == config.total_steps
-    assert metadata["threshold_fit"]["k"] == [config.k_min, config.k_max]
-    model, tokenizer = load_model(model_dir)
-    realized, accuracy = measure(model, tokenizer, adapter_path(model_dir, 8), metadata["dms_config"]["threshold"],
-                                 generate_suite(3, *k_range, seed=13))
-    assert realized > 3 and accuracy >= 2 / 3
+    assert config.ratios == [8] and not config.anchor_rows and (config.k_min, config.k_max) == k_range
+    assert Path(config.model) == Path("checkpoints/chain-qwen3-v1") and config.total_steps == 720
