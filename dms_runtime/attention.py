@@ -137,7 +137,7 @@ def _bias_mask_attention(query, key, value, alpha: torch.Tensor, allowed: torch.
     """Training attention with the eviction bias handed to SDPA as a float mask, whose backward then also
     differentiates the mask (the gates' straight-through gradient): 1.5x faster than the attention written out,
     and what CUDA runs. The CPU's fused kernel (:mod:`dms_runtime.evicting_attention`) is faster still
-    (``scripts/bench_training.py``)."""
+    (``research/bench_training.py``)."""
     bias = eviction_bias(alpha, query.shape[2], window)  # [B, decisions, q, k]; _sdpa spreads one decision over all KV heads
     return _sdpa(None, query, key, value, bias.to(query.dtype).masked_fill(~allowed, float("-inf")), scaling)[0]
 

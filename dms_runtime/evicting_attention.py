@@ -5,7 +5,7 @@ is not. The gates learn from the straight-through gradient of the soft bias ``lo
 to the scores of key ``j`` from queries more than ``w`` positions later: the sum of the score gradients
 ``dS_ij`` over those queries. Handing SDPA the bias as a float mask that requires a gradient keeps it off the
 fused kernel, which takes only a fixed mask: one layer's attention 2.2-3.6x slower, the whole training pass
-2.85x (``scripts/bench_training.py``). This module keeps the fused kernel and gets the per-key sum from it:
+2.85x (``research/bench_training.py``). This module keeps the fused kernel and gets the per-key sum from it:
 
 * an extra head dimension, ``1/scale`` on every query and ``0`` on every key, changes no score, and the kernel's
   key gradient in that dimension is exactly ``sum_i dS_ij`` over all queries;

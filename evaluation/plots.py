@@ -115,21 +115,3 @@ def plot_paired_gain(report: dict, path: str | Path, title: str = "paired accura
     axes.set_xticks(list(xs), [f"{g['label']}\n({g['n']})" for g in groups])
     # The gains sit above the bars, where "best" would put the legend; the bars' feet hide nothing.
     return _finish(figure, axes, title, path, loc="lower center", ncol=2, framealpha=0.95)
-
-
-def plot_vote_forecast(report: dict, path: str | Path, measured: dict[float, float] | None = None,
-                       title: str = "forecast vote against temperature") -> Path:
-    """``scripts/vote_forecast.py``'s report: vote and one-thread accuracy by temperature, greedy as a line, and
-    measured votes (temperature -> accuracy) as markers beside the forecast they check."""
-    figure, axes = plt.subplots(figsize=(7, 4.2))
-    temperatures = [float(t) for t in report["by_temperature"]]
-    rows = list(report["by_temperature"].values())
-    vote_key = next(key for key in rows[0] if key.startswith("vote@"))
-    axes.plot(temperatures, [100 * row[vote_key] for row in rows], marker="o", label=f"forecast {vote_key}")
-    axes.plot(temperatures, [100 * row["one_thread"] for row in rows], marker="s", label="forecast one thread")
-    axes.axhline(100 * report["greedy"], color="grey", linestyle="--", label="forecast greedy")
-    if measured:
-        axes.scatter(list(measured), [100 * v for v in measured.values()], color="black", marker="x", s=60,
-                     zorder=3, label=f"measured {vote_key}")
-    axes.set_xlabel("sampling temperature")
-    return _finish(figure, axes, title, path)

@@ -115,7 +115,7 @@ def render_cot(problem: Problem, order_rng: random.Random | None = None, reverse
 
     With ``order_rng``, each line with two forms (``line_forms``) is written in either at random: a chain of
     thought with many valid paths to one answer, so that sampled threads do not all share the greedy thread's
-    weak steps (see ``scripts/error_anatomy.py``). ``reversed_minus``: ``-`` lines have two forms too."""
+    weak steps (the error anatomy in docs/chain_model.md). ``reversed_minus``: ``-`` lines have two forms too."""
     lines = []
     for forms in line_forms(problem, reversed_minus):
         swap = len(forms) > 1 and order_rng is not None and order_rng.random() < 0.5

@@ -3,7 +3,7 @@
 On a CUDA GPU, and on CPUs with native bf16 (AVX-512 BF16 or AMX), bf16 autocast speeds a training step up
 (about 2.5x on an AVX-512 BF16 CPU). On a CPU without it (AVX2 only), oneDNN emulates bf16 and the same
 step ran 13x *slower* than in fp32 (25.2 s against 1.9 s for a forward and backward pass over 6,000 tokens of
-the shipped model: ``scripts/bench_training.py``). Weights and optimizer stay fp32 either way.
+the shipped model: ``research/bench_training.py``). Weights and optimizer stay fp32 either way.
 """
 
 from __future__ import annotations
