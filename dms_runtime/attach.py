@@ -66,7 +66,7 @@ class DMSHandle:
             else:
                 state.logits = gate(hidden)
             if state.mode == "infer":
-                cache = kwargs.get("past_key_values")
+                cache = kwargs.get("past_key_values", kwargs.get("cache"))  # "cache" in transformers after 5.17
                 if not hasattr(cache, "set_gate_logits"):  # DMSCache, or the engine's PagedDMSCache
                     raise TypeError("DMS inference needs past_key_values=DMSCache(...) (see DMSCache.for_model)")
                 cache.set_gate_logits(module.layer_idx, state.logits)

@@ -24,6 +24,12 @@ from dms_runtime.eviction import decided_marks, expired
 GROWTH = 64  # slots added per head when a layer runs out (amortises reallocation)
 
 
+def query_length(query: torch.Tensor | int) -> int:
+    """The new tokens a layer's ``get_mask_sizes`` is asked about: transformers < 5.3 passes ``cache_position``,
+    later versions the query length itself."""
+    return query if isinstance(query, int) else query.shape[0]
+
+
 class DMSLayer(CacheLayerMixin):
     is_sliding = False
     is_compileable = False
@@ -55,7 +61,7 @@ class DMSLayer(CacheLayerMixin):
         self.pos = torch.cat([self.pos, self.pos.new_full((batch, heads, extra), -1)], dim=2)
         self.evict = torch.cat([self.evict, self.evict.new_zeros(batch, heads, extra)], dim=2)
 
-    def update(self, key_states, value_states, cache_kwargs: dict[str, Any] | None = None):
+    def update(self, key_states, value_states, *args: Any, **kwargs: Any):  # cache kwargs, however named, are unused
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         batch, heads, q_len, dim = key_states.shape
@@ -113,11 +119,13 @@ class DMSLayer(CacheLayerMixin):
     def get_seq_length(self) -> int:
         return int(self.length.max()) if self.is_initialized and self.length.numel() else 0
 
-    def get_mask_sizes(self, cache_position: torch.Tensor) -> tuple[int, int]:
-        return self.get_seq_length() + cache_position.shape[0], 0
+    def get_mask_sizes(self, query: torch.Tensor | int) -> tuple[int, int]:
+        return self.get_seq_length() + query_length(query), 0
 
-    def get_max_cache_shape(self) -> int:
+    def get_max_length(self) -> int:  # newer transformers 5.x (5.17 has it)
         return -1
+
+    get_max_cache_shape = get_max_length  # the pinned transformers (< 5.3)
 
     def held_tokens(self) -> torch.Tensor:
         """Tokens held per row and head: ``[B, H]``."""

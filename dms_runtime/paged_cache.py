@@ -19,6 +19,7 @@ from typing import Any
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
+from dms_runtime.cache import query_length
 from dms_runtime.eviction import decided_marks, expired
 from dms_runtime.kv_pool import KVPool
 
@@ -95,7 +96,7 @@ class PagedLayer(CacheLayerMixin):
             self.table, self.pos, self.evict = self.table[:, :, :width], self.pos[:, :, :width], self.evict[:, :, :width]
 
     # -- the forward pass ----------------------------------------------------------------------------
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, cache_kwargs: dict[str, Any] | None = None):
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any):
         rows, heads, q_len, dim = key_states.shape
         start = self.length
         if self.zero_windows:  # token start-1, decided now, may expire before the new tokens arrive
@@ -155,11 +156,13 @@ class PagedLayer(CacheLayerMixin):
     def get_seq_length(self) -> int:
         return int(self.length.max()) if self.length.numel() else 0
 
-    def get_mask_sizes(self, cache_position: torch.Tensor) -> tuple[int, int]:
-        return self.get_seq_length() + cache_position.shape[0], 0
+    def get_mask_sizes(self, query: torch.Tensor | int) -> tuple[int, int]:
+        return self.get_seq_length() + query_length(query), 0
 
-    def get_max_cache_shape(self) -> int:
+    def get_max_length(self) -> int:  # newer transformers 5.x (5.17 has it)
         return -1
+
+    get_max_cache_shape = get_max_length  # the pinned transformers (< 5.3)
 
 
 def _widen(tensor: torch.Tensor, width: int, fill) -> torch.Tensor:
