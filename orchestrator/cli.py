@@ -113,6 +113,12 @@ def build_parser() -> argparse.ArgumentParser:
     load.add_argument("--samples", type=bounded(int, 1, 256), default=2)
     load.add_argument("--api-key", default=os.environ.get("THINKPOOL_API_KEY"))
     load.add_argument("--json", action="store_true")
+    # The GPU benchmark parses its own options (``python -m evaluation.gpu_bench`` runs where this CLI cannot, with no
+    # pydantic): every word after ``gpu`` goes to it untouched (no prefix character is an option here), --help too.
+    gpu = bench.add_parser("gpu", add_help=False, prefix_chars="\0",
+                           help="the prepared GPU benchmark: HF generate, the engine at CR 1 and DMS-8x, a retrofit step "
+                                "(thinkpool bench gpu --help)")
+    gpu.add_argument("options", nargs=argparse.REMAINDER)
 
     serve = commands.add_parser("serve", help="the REST service (FastAPI): /v1/solve, jobs, completions, metrics")
     serve.add_argument("--host", default="127.0.0.1")

@@ -1,26 +1,46 @@
-"""DMS on CUDA in bf16 (skipped without a GPU; run on a device machine: pytest tests/test_cuda.py)."""
+"""DMS on CUDA in bf16 (skipped without a GPU; ``thinkpool bench gpu`` runs this file first on a device machine).
+
+Self-contained on purpose: the GPU machine has no pydantic, so nothing here may import the other test modules
+(``tests/test_dms.py`` imports the retrofit, which needs it)."""
 
 import pytest
 import torch
+from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
 from dms_runtime.attach import attach_dms
 from dms_runtime.config import DMSConfig
+from dms_runtime.gate_bank import AdapterSet
 from dms_runtime.gates import build_gates
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
+VOCAB = 51  # the chain tokenizer's size
+
+
+def tiny(kind: str, seed: int = 0):
+    torch.manual_seed(seed)
+    common = dict(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, intermediate_size=128, pad_token_id=0)
+    if kind == "qwen3":
+        return Qwen3ForCausalLM(Qwen3Config(head_dim=16, **common)).eval()
+    return LlamaForCausalLM(LlamaConfig(**common)).eval()
+
+
+def random_gates(model, window: int, seed: int):
+    config = DMSConfig(window=window, init_offset=0.0)
+    gates = build_gates(model, config)
+    torch.manual_seed(seed)
+    for gate in gates:
+        gate.weight.data.normal_(0, 0.003)
+    return gates, config
+
 
 @pytest.mark.parametrize("kind", ["qwen3", "llama"])
 def test_bf16_cuda_generation_and_training_step(kind):
-    from test_dms import tiny
-
     model = tiny(kind).to("cuda", torch.bfloat16)
-    config = DMSConfig(window=4, init_offset=0.0)
-    gates = build_gates(model, config)
-    for gate in gates:
-        gate.weight.data.normal_(0, 0.003)
+    gates, config = random_gates(model, window=4, seed=0)
     handle = attach_dms(model, gates, config)
-    ids = torch.randint(3, 51, (2, 16), device="cuda")
+    ids = torch.randint(3, VOCAB, (2, 16), device="cuda")
     cache = handle.new_cache()
     out = model.generate(input_ids=ids, max_new_tokens=32, do_sample=False, past_key_values=cache)
     assert out.shape == (2, 48) and cache.bytes_held() < cache.layers[0].keys.element_size() * 2 * 2 * 2 * 48 * 16
@@ -33,17 +53,20 @@ def test_bf16_cuda_generation_and_training_step(kind):
 
 
 def test_engine_on_cuda_in_bf16_mixes_ratios_within_its_pool():
-    from test_dms import tiny
-    from test_engine import PROMPTS, engine_for, random_gates
     from tasks.chain_tokenizer import build_tokenizer
+    from workers.engine import Engine
     from workers.thread import SamplingParams
 
     tokenizer = build_tokenizer()
     model = tiny("qwen3").to("cuda", torch.bfloat16)
-    engine = engine_for(model, tokenizer, {4: random_gates(model, window=3, seed=2)}, budget=400_000)
+    adapters = AdapterSet(model, {4: random_gates(model, window=3, seed=2)})
+    engine = Engine(model, tokenizer, adapters, kv_budget_bytes=400_000, max_running=64)
+    engine.stop = type(engine.stop)(eos=10**6)  # tiny random models: run every thread to its limit
     assert engine.pool.keys.is_cuda and engine.pool.keys.dtype == torch.bfloat16
-    for i, prompt in enumerate(PROMPTS):
-        engine.submit(f"{i}", engine.encode(prompt), [0, 1, 2], SamplingParams(temperature=0.8, max_new_tokens=64, seed=i), cr=4 if i % 2 else 1)
+    prompts = ["a=1;b=2;c=a+b;?c\n", "a=17;b=3;c=b*a;d=c-b;?d\n", "a=9;?a\n"]
+    for i, prompt in enumerate(prompts):
+        params = SamplingParams(temperature=0.8, max_new_tokens=64, seed=i)
+        engine.submit(f"{i}", engine.encode(prompt), [0, 1, 2], params, cr=4 if i % 2 else 1)
     results = engine.run()
     assert len(results) == 9 and all(r.tokens == 64 for r in results)
     assert engine.pool.high_water <= engine.pool.capacity and engine.pool.used == 0

@@ -213,23 +213,6 @@ def test_a_budget_too_small_for_one_thread_is_refused_before_any_work(tokenizer)
         engine.submit("p", ids(PROMPTS[0]), [0], GREEDY, cr=8)
 
 
-def test_gpu_check_script_runs_as_a_smoke_test_on_the_cpu():
-    import json
-    import subprocess
-    import sys
-
-    done = subprocess.run([sys.executable, "scripts/gpu_check.py", "--tiny", "--device", "cpu", "--kv-budget-gb", "0.002",
-                           "--max-new-tokens", "48", "--prompt-tokens", "16", "--window", "8", "--ratios", "1", "8"],
-                          capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr
-    runs = {run["cr"]: run for run in json.loads(done.stdout)["runs"]}
-    budget = json.loads(done.stdout)["kv_budget_bytes"]
-    # Vanilla threads share the prompt and hold 48 tokens each; an 8x thread holds its window and 1/8 of the
-    # rest, 16 tokens: at most 3x the threads at this length.
-    assert runs[8.0]["threads"] >= 2.5 * runs[1.0]["threads"]
-    assert all(0 < run["kv_peak_bytes"] <= budget for run in runs.values())
-
-
 def test_tables_shrink_when_rows_leave(tokenizer):
     model = tiny("qwen3")
     engine = engine_for(model, tokenizer, {})

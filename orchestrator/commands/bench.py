@@ -1,4 +1,4 @@
-"""``thinkpool bench throughput | overhead | controller | load``."""
+"""``thinkpool bench throughput | overhead | controller | load | gpu``."""
 
 from __future__ import annotations
 
@@ -12,6 +12,10 @@ from workers.factory import make_pool
 
 
 def cmd_bench(args, parser) -> int:
+    if args.bench == "gpu":
+        from evaluation.gpu_bench import main as gpu_bench
+
+        return gpu_bench(args.options, prog="thinkpool bench gpu")
     if args.bench == "overhead":
         return cmd_bench_overhead(args, parser)
     if args.bench == "controller":
