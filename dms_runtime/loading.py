@@ -10,6 +10,8 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 from transformers.utils import logging as hf_logging
 
+from dms_runtime.model_dir import HALF_DTYPES, has_tokenizer, read_config, stored_dtype
+
 REPO_ROOT = Path(__file__).resolve().parent.parent
 SHIPPED_MODEL = REPO_ROOT / "checkpoints" / "chain-qwen3"
 
@@ -23,15 +25,62 @@ def default_model_path() -> Path:
     return Path(os.environ.get("THINKPOOL_MODEL", SHIPPED_MODEL))
 
 
-def load_model(
-    path: str | Path | None = None, device: str = "cpu", dtype: torch.dtype = torch.float32
-) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
-    path = Path(path) if path is not None else default_model_path()
+def load_dtype(path: str | Path, device: str) -> torch.dtype:
+    """fp32 on the CPU (the small models it serves; its half-precision kernels are slow); on a GPU the dtype the
+    weights were stored in, bf16 or fp16 (bf16 for weights stored in fp32 or undeclared: fp32 wastes GPU memory)."""
+    if not str(device).startswith("cuda"):
+        return torch.float32
+    stored = stored_dtype(read_config(path))
+    return getattr(torch, stored) if stored in HALF_DTYPES else torch.bfloat16
+
+
+def check_model_dir(path: str | Path) -> None:
+    """Refuse, before anything loads, a directory that cannot be served: no ``config.json``, no tokenizer, or
+    NVIDIA DMS settings their code would refuse (``ModelLoadError`` naming the path or the field)."""
+    from dms_runtime.nvidia_layout import read_dms_config
+
+    path = Path(path)
     if not (path / "config.json").is_file():
         raise ModelLoadError(f"no model at {path}: expected a Hugging Face checkpoint directory with config.json")
+    if not has_tokenizer(path):
+        raise ModelLoadError(f"no tokenizer in {path}: expected tokenizer.json (or tokenizer.model / vocab.json) "
+                             "beside config.json")
+    try:
+        read_dms_config(path)
+    except ValueError as error:
+        raise ModelLoadError(f"{path}: {error}") from error
+
+
+def load_tokenizer(path: str | Path) -> PreTrainedTokenizerBase:
+    """The directory's own tokenizer (``ModelLoadError`` when it has none or it does not load)."""
+    path = Path(path)
+    if not has_tokenizer(path):
+        raise ModelLoadError(f"no tokenizer in {path}: expected tokenizer.json (or tokenizer.model / vocab.json) "
+                             "beside config.json")
+    try:
+        return AutoTokenizer.from_pretrained(path, local_files_only=True)
+    except (OSError, ValueError) as error:
+        raise ModelLoadError(f"the tokenizer in {path} does not load: {error}") from error
+
+
+def load_model(
+    path: str | Path | None = None, device: str = "cpu", dtype: torch.dtype | None = None
+) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """The model and tokenizer of a local directory (one file or sharded safetensors, any stored dtype), in
+    ``dtype`` (default :func:`load_dtype`). An NVIDIA DMS directory loads as its plain model: its gate tensors
+    are read by :mod:`dms_runtime.nvidia_layout`, so transformers' note that it left them out is silenced."""
+    path = Path(path) if path is not None else default_model_path()
+    check_model_dir(path)
     hf_logging.disable_progress_bar()  # a per-tensor bar for a 2.6M-parameter model is only noise
-    tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
-    model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=dtype).to(device)
+    tokenizer = load_tokenizer(path)
+    verbosity = hf_logging.get_verbosity()
+    if any(key.startswith("dms_") for key in read_config(path)):
+        hf_logging.set_verbosity_error()
+    try:
+        model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True,
+                                                     dtype=dtype or load_dtype(path, device)).to(device)
+    finally:
+        hf_logging.set_verbosity(verbosity)
     model.eval()
     return model, tokenizer
 

@@ -26,14 +26,17 @@ from pydantic import BaseModel, Field, ValidationError
 
 from orchestrator.jobs import make_job_store
 from orchestrator.schemas import Job, SolveRequest, SolveResult
+from tasks.families import MAX_PROMPT_CHARS
 
 MAX_BODY_BYTES = 64 * 1024
 KEEP_FINISHED_STREAMS = 256  # finished jobs whose event stream can still be replayed
 
 
 class CompletionRequest(BaseModel):
+    """OpenAI's completion body (the fields thinkpool reads); the prompt is read by the model's task family."""
+
     model: str | None = None
-    prompt: str = Field(min_length=1, max_length=4096)
+    prompt: str = Field(min_length=1, max_length=MAX_PROMPT_CHARS)
     n: int = Field(1, ge=1, le=256)
     max_tokens: int | None = Field(None, ge=1, le=8192)
     temperature: float | None = Field(None, ge=0, le=5)
@@ -232,16 +235,20 @@ def create_app(service_factory, store=None) -> FastAPI:
         return {
             "id": f"cmpl-{uuid.uuid4().hex[:12]}", "object": "text_completion", "created": int(time.time()),
             "model": body.model or state["service"].info["model"],
-            "choices": [{"index": t.sample, "text": f"#{t.answer}" if t.answer else "", "finish_reason": "stop" if t.finish_reason != "length" else "length",
-                         "logprobs": None} for t in result.threads],
-            "usage": {"completion_tokens": result.tokens, "prompt_tokens": 0, "total_tokens": result.tokens},
+            "choices": [{"index": t.sample, "text": t.text,
+                         "finish_reason": "length" if t.finish_reason == "length" else "stop", "logprobs": None}
+                        for t in result.threads],
+            # The prompt is prefilled once for all n threads, as OpenAI counts it once.
+            "usage": {"completion_tokens": result.tokens, "prompt_tokens": result.prompt_tokens,
+                      "total_tokens": result.tokens + result.prompt_tokens},
         }
 
     @app.get("/v1/models", dependencies=[Depends(authorized)])
     async def models():
         info = state["service"].info
         return {"object": "list", "data": [{"id": os.path.basename(info["model"].rstrip("/")), "object": "model",
-                                            "owned_by": "thinkpool", "ratios": info["ratios"]}]}
+                                            "owned_by": "thinkpool", "ratios": info["ratios"],
+                                            "task": info.get("task")}]}
 
     @app.get("/healthz")
     async def healthz():

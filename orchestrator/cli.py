@@ -36,12 +36,15 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--max-new-tokens", type=bounded(int, 1, 8192), default=settings.sampling.max_new_tokens)
 
     solve = commands.add_parser("solve", help="solve one problem on the embedded default")
-    solve.add_argument("prompt", help="a chain problem, e.g. 'a=1;b=2;c=a+b;?c'")
+    solve.add_argument("prompt", help="the problem: a chain problem ('a=1;b=2;c=a+b;?c') or free text, by its task")
     add_sampling(solve, allow_auto=True)
     add_model(solve)
     solve.add_argument("--cr", type=bounded(float, 1, 64), default=1.0, help="DMS compression ratio (1 = vanilla)")
     solve.add_argument("--workers", type=bounded(int, 0, 64), default=1, help="Ray worker actors (0: in this process)")
     solve.add_argument("--json", action="store_true", help="print one JSON object")
+    solve.add_argument("--task", choices=["chain", "math", "regex"], default=None,
+                       help="task family (default: the model's, from its directory's thinkpool.json)")
+    solve.add_argument("--answer-pattern", default=None, help="the regex task's answer pattern")
 
     evaluate = commands.add_parser("eval", help="evaluate a problem file")
     evaluate.add_argument("--problems", type=Path, required=True, help="JSONL file of {id, prompt, answer}")

@@ -7,6 +7,10 @@ Both return typed :class:`~orchestrator.schemas.SolveResult` objects:
     result = client.solve("a=7;b=42;c=a+b;d=c*a;e=d-b;?e", samples=16)
     print(result.answer, result.votes)
 
+A request names its task family with ``task=`` (``"math"``, ``"regex"`` with ``answer_pattern=``; default: the
+model's). ``LocalClient.solve(..., verifier=check)`` picks the best of the threads' answers by your
+``check(problem, answer) -> bool | float`` (best-of-N) instead of the majority.
+
 ``solve_tool(client)`` wraps either one as a LangChain tool for a LangGraph agent.
 """
 
@@ -18,6 +22,7 @@ import time
 import httpx
 
 from orchestrator.schemas import Job, SolveRequest, SolveResult
+from policies.voting import Verifier
 
 RETRY_STATUS = {429, 502, 503, 504}
 
@@ -94,11 +99,13 @@ class LocalClient:
 
         self.service = service_factory(model or default_model_path(), kv_budget, 0)()
 
-    def solve(self, prompt: str, **options) -> SolveResult:
-        return asyncio.run(self.asolve(prompt, **options))
+    def solve(self, prompt: str, verifier: Verifier | None = None, **options) -> SolveResult:
+        return asyncio.run(self.asolve(prompt, verifier, **options))
 
-    async def asolve(self, prompt: str, **options) -> SolveResult:
-        return await self.service.solve(SolveRequest(prompt=prompt, **options))
+    async def asolve(self, prompt: str, verifier: Verifier | None = None, **options) -> SolveResult:
+        """``verifier(problem, answer)`` (a Python callable, so in-process only) scores each distinct answer once;
+        the best wins (ties: the more frequent)."""
+        return await self.service.solve(SolveRequest(prompt=prompt, **options), verifier=verifier)
 
 
 def solve_tool(client):

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import re
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from tasks.chain import ProblemError, parse_problem
+from tasks.families import FAMILIES, MAX_PROMPT_CHARS
 from workers.records import ThreadResult
 
 MAX_SAMPLES = 256
@@ -16,7 +17,12 @@ class SolveRequest(BaseModel):
     """A multi-sample solve: fixed ``samples`` threads at ratio ``cr``, or ``samples="auto"`` (the controller)."""
 
     model_config = ConfigDict(extra="forbid", populate_by_name=True)
-    prompt: str = Field(min_length=1, max_length=4096, description="a chain problem, e.g. a=1;b=2;c=a+b;?c")
+    prompt: str = Field(min_length=1, max_length=MAX_PROMPT_CHARS,
+                        description="the problem: a chain problem (a=1;b=2;c=a+b;?c) or free text, by its task")
+    task: str | None = Field(None, description=f"task family: {', '.join(FAMILIES)} (default: the model's, from its "
+                                               "directory's thinkpool.json)")
+    answer_pattern: str | None = Field(None, max_length=1000, description="the regex task's answer pattern (the last "
+                                                                          "match's first group is the answer)")
     samples: int | Literal["auto"] = Field("auto", description="threads (1 = greedy) or 'auto' for the controller")
     cr: float | None = Field(None, ge=1, le=64, description="DMS compression ratio (fixed samples only; default 1)")
     kv_budget: int | None = Field(None, gt=0, description="KV bytes the threads may hold at once (default: the pool)")
@@ -38,16 +44,34 @@ class SolveRequest(BaseModel):
 
     @field_validator("prompt")
     @classmethod
-    def _valid_problem(cls, value: str) -> str:
-        try:
-            parse_problem(value.strip())
-        except ProblemError as error:
-            raise ValueError(str(error)) from None
+    def _stripped(cls, value: str) -> str:
+        """Only the shape here: the prompt is checked against its task family (``family.validate``) by the
+        service, which knows the model's default family when ``task`` is not given."""
+        if not value.strip():
+            raise ValueError("must not be empty")
         return value.strip()
+
+    @field_validator("task")
+    @classmethod
+    def _known_task(cls, value: str | None) -> str | None:
+        if value is not None and value not in FAMILIES:
+            raise ValueError(f"unknown task family {value!r}; known: {', '.join(FAMILIES)}")
+        return value
+
+    @field_validator("answer_pattern")
+    @classmethod
+    def _a_regex(cls, value: str | None) -> str | None:
+        if value is not None:
+            try:
+                re.compile(value)
+            except re.error as error:
+                raise ValueError(f"not a regular expression ({error})") from None
+        return value
 
 
 class SolveResult(BaseModel):
     answer: str | None
+    task: str = "chain"  # the task family the answer was read and compared by
     votes: dict[str, int]
     threads: list[ThreadResult]
     samples: int
@@ -55,6 +79,7 @@ class SolveResult(BaseModel):
     realized_cr: float
     kv_peak_bytes: int
     tokens: int
+    prompt_tokens: int = 0  # the model input's tokens (chat template included)
     time_s: float
     stop_reason: str | None = None
     rounds: list[dict] = Field(default_factory=list, description="the controller's plan, rounds and escalations")

@@ -6,6 +6,11 @@ request is one worker task (id: the job id): all its threads, in every chunk and
 of the prompt per ratio, held on one worker until the task ends, when the service closes it. ``samples="auto"``
 goes through the controller (when a calibration profile exists); a number of samples runs that many threads
 at one ratio. The task's own KV peak comes back in the result (the worker's lifetime peak is in ``stats``).
+
+A request names its task family (``task``, default: the model directory's, see ``tasks/families.py``): the family
+checks the prompt, turns it into model input (the chat template where the model has one), travels with the
+threads to the worker (how they stop, what their answers are) and groups equal answers in the vote. Sampling
+defaults come from the model's ``generation_config.json`` where it has them, else from the settings.
 """
 
 from __future__ import annotations
@@ -20,8 +25,8 @@ from orchestrator.controller import Budget, Controller, EventListener
 from orchestrator.schemas import SolveRequest, SolveResult
 from orchestrator.settings import DEFAULT_PROFILE, get_settings
 from policies.planner import CalibrationProfile
-from policies.voting import majority_vote
-from tasks.prompt import format_prompt
+from policies.voting import Verifier, majority_vote, verified_vote
+from tasks.families import TaskFamily, get_family
 from workers.kv_budget import KVBudgetModel
 from workers.records import ThreadResult
 from workers.thread import SamplingParams
@@ -37,6 +42,8 @@ class Prepared:
     cr: float
     kv_budget: int
     max_tokens: int
+    family: TaskFamily
+    prompt: str  # as the family validated it
 
 
 class SolveService:
@@ -56,76 +63,141 @@ class SolveService:
                                          checkpointer=checkpointer, budget_model=self.budget_model, allocators=allocators)
 
     @property
+    def default_task(self) -> str:
+        """The task family of requests that name none: the model directory's (``thinkpool.json``)."""
+        return self.info.get("task") or "chain"
+
+    @property
+    def profile_task(self) -> str | None:
+        """The task family the calibration profile was measured on (profiles so far: the chain task's)."""
+        return None if self.profile is None else getattr(self.profile, "task", "chain")
+
+    def family(self, request: SolveRequest, verifier: Verifier | None = None) -> TaskFamily:
+        """The request's task family (ValueError naming ``task`` or ``answer_pattern``)."""
+        return get_family(request.task or self.default_task, answer_pattern=request.answer_pattern, verifier=verifier)
+
+    @property
     def model_id(self) -> str:
         """The served weights' fingerprint: what cached results are keyed by."""
         return self.info.get("fingerprint", self.info["model"])
 
-    def prepare(self, request: SolveRequest) -> Prepared:
+    def prepare(self, request: SolveRequest, verifier: Verifier | None = None) -> Prepared:
         """Check a request against this deployment and tokenize it; ``ValueError`` naming the field (before any work)."""
-        if request.mode == "controller" and self.controller is None:
-            raise ValueError("mode: the controller needs a calibration profile (thinkpool calibrate) on this deployment")
+        family = self.family(request, verifier)
+        prompt = family.validate(request.prompt)
+        # The controller plans from a profile measured on one task family; other families get a fixed count.
+        controller = self.controller if family.name == self.profile_task else None
+        if request.mode == "controller" and controller is None:
+            if self.controller is None:
+                raise ValueError("mode: the controller needs a calibration profile (thinkpool calibrate) on this deployment")
+            raise ValueError(f"mode: the controller's calibration profile is for the {self.profile_task} task, not "
+                             f"{family.name}; ask for a number of samples")
         if request.cr is not None and request.cr not in self.ratios:
             raise ValueError(f"cr: no DMS adapter for {request.cr:g}x; this worker serves {', '.join(f'{r:g}' for r in self.ratios)}")
         if request.kv_budget and request.kv_budget > self.info["kv_budget_bytes"]:
             raise ValueError(f"kv_budget: at most {self.info['kv_budget_bytes']} bytes (the worker's pool)")
         budget = request.kv_budget or self.info["kv_budget_bytes"]
-        prompt_ids = tuple(self.tokenizer(format_prompt(request.prompt))["input_ids"])
+        prompt_ids = tuple(family.encode(prompt, self.tokenizer))
         limit = request.max_tokens or self.settings.sampling.max_new_tokens
-        # "auto" without a calibration profile falls back to one greedy thread.
-        use_controller = self.controller is not None and (
+        # "auto" without a calibration profile (for this task family) falls back to one greedy thread.
+        use_controller = controller is not None and (
             request.mode == "controller" or (request.mode is None and request.samples == "auto"))
         ratios = self.ratios if use_controller else [request.cr or 1.0]  # the controller may pick any ratio
+        context = self.info.get("context_length")
         if use_controller:
             limit = self.profile.max_new_tokens
+        elif request.max_tokens is None and context and len(prompt_ids) < context:
+            limit = min(limit, context - len(prompt_ids))  # the default limit: what the context leaves room for
+        self._check_context(len(prompt_ids), limit, "the calibration profile's" if use_controller else None)
         needed = min(self.budget_model.group_bytes(cr, len(prompt_ids), limit) for cr in ratios)
         if budget < needed:
             raise ValueError(f"kv_budget: {budget} bytes cannot hold one thread of {len(prompt_ids) + limit} tokens "
                              f"(it needs {needed} bytes)")
-        return Prepared(prompt_ids, use_controller, request.cr or 1.0, budget, limit)
+        return Prepared(prompt_ids, use_controller, request.cr or 1.0, budget, limit, family, prompt)
+
+    def _check_context(self, prompt_tokens: int, limit: int, source: str | None = None) -> None:
+        """Prompt and generated tokens must fit the model's context (``max_position_embeddings``); ``source`` says
+        whose limit it is when the request set none."""
+        context = self.info.get("context_length")
+        if not context or prompt_tokens + limit <= context:
+            return
+        if prompt_tokens >= context:
+            raise ValueError(f"prompt: {prompt_tokens} tokens, the model's context is {context} tokens "
+                             "(max_position_embeddings)")
+        source = f" ({source})" if source else ""
+        raise ValueError(f"max_tokens: the prompt's {prompt_tokens} tokens and {limit} new tokens{source} exceed the "
+                         f"model's context of {context} tokens (max_position_embeddings); at most "
+                         f"{context - prompt_tokens} new tokens fit")
 
     def check(self, request: SolveRequest) -> None:
         self.prepare(request)
 
-    async def solve(self, request: SolveRequest, job_id: str | None = None, on_event: EventListener | None = None) -> SolveResult:
+    async def solve(self, request: SolveRequest, job_id: str | None = None, on_event: EventListener | None = None,
+                    verifier: Verifier | None = None) -> SolveResult:
         """Run one request; ``on_event(name, data)`` hears each finished thread and, in controller mode, the plan,
-        rounds and escalations as they happen."""
-        prepared = self.prepare(request)
+        rounds and escalations as they happen. ``verifier(problem, answer) -> bool | float`` (the SDK's hook) picks
+        the best of the threads' answers instead of the majority."""
+        prepared = self.prepare(request, verifier)
         task_id = job_id or uuid.uuid4().hex[:12]
         started = time.perf_counter()
         try:
             if prepared.use_controller:
                 budget = Budget(prepared.kv_budget, max_threads=request.max_threads)
-                state = await self.controller.solve(task_id, request.prompt, prepared.prompt_ids, budget, seed=request.seed,
-                                                    on_event=on_event)
+                state = await self.controller.solve(task_id, prepared.prompt, prepared.prompt_ids, budget,
+                                                    seed=request.seed, on_event=on_event)
                 threads = [ThreadResult(**t) for t in state["threads"]]
                 cr, answer, votes = state["cr"], state["answer"], state["votes"]
                 reason, rounds = state["stop_reason"], state["rounds"]
             else:
                 threads = await self._run_fixed(request, prepared, task_id, on_event)
-                vote = majority_vote([t.answer for t in threads], [t.mean_logprob for t in threads])
+                vote = self._vote(prepared, threads)
                 cr, answer, votes, reason, rounds = prepared.cr, vote.answer, vote.counts, None, []
         finally:
             await self.pool.close_task(task_id)
         return SolveResult(
-            answer=answer, votes=votes, threads=threads, samples=len(threads), cr=cr,
+            answer=answer, task=prepared.family.name, votes=votes, threads=threads, samples=len(threads), cr=cr,
             realized_cr=sum(t.realized_cr for t in threads) / max(1, len(threads)),
             kv_peak_bytes=max((t.kv_peak_bytes for t in threads), default=0), tokens=sum(t.tokens for t in threads),
+            prompt_tokens=len(prepared.prompt_ids),
             time_s=round(time.perf_counter() - started, 3), stop_reason=reason, rounds=rounds,
         )
+
+    @staticmethod
+    def _vote(prepared: Prepared, threads: list[ThreadResult]):
+        """Equal answers (by the family's key: ``0.5`` and ``\\frac{1}{2}`` for math) are one; a verifier, when the
+        caller gave one, picks the best answer instead of the most frequent."""
+        family, answers = prepared.family, [t.answer for t in threads]
+        if family.verifier is not None:
+            return verified_vote(prepared.prompt, answers, family.verifier, key=family.key)
+        return majority_vote(answers, [t.mean_logprob for t in threads], key=family.key)
+
+    def sampling(self, request: SolveRequest, samples: int, max_tokens: int) -> SamplingParams:
+        """One thread is greedy; sampled threads take the request's temperature, else the model's
+        ``generation_config.json`` (temperature, top_p, top_k, min_p), else the settings."""
+        model = self.info.get("generation") or {}
+        settings = self.settings.sampling
+        temperature = request.temperature
+        if temperature is None:
+            temperature = model["temperature"] if model.get("temperature", 0) > 0 else settings.temperature
+        if samples == 1:
+            return SamplingParams(0.0, settings.top_p, max_tokens, request.seed)
+        return SamplingParams(temperature, float(model.get("top_p", settings.top_p)), max_tokens, request.seed,
+                              int(model.get("top_k", 0)), float(model.get("min_p", 0.0)))
 
     async def _run_fixed(self, request: SolveRequest, prepared: Prepared, task_id: str,
                          on_event: EventListener | None) -> list[ThreadResult]:
         samples = 1 if request.samples == "auto" else request.samples
-        temperature = request.temperature if request.temperature is not None else self.settings.sampling.temperature
-        params = SamplingParams(0.0 if samples == 1 else temperature, self.settings.sampling.top_p, prepared.max_tokens,
-                                request.seed)
+        params = self.sampling(request, samples, prepared.max_tokens)
 
         def thread_done(result: ThreadResult) -> None:
             if on_event is not None:
                 on_event("thread", {"sample": result.sample, "answer": result.answer, "tokens": result.tokens,
                                     "cr": result.cr, "realized_cr": result.realized_cr})
 
-        work = ProblemRequest(task_id, prepared.prompt_ids, tuple(range(samples)), params, prepared.cr, task_id=task_id)
+        family = prepared.family
+        work = ProblemRequest(task_id, prepared.prompt_ids, tuple(range(samples)), params, prepared.cr, task_id=task_id,
+                              task_family=family.name, answer_pattern=getattr(family, "answer_pattern", None),
+                              stop_strings=tuple(family.stop_strings))
         return sorted(await self.pool.collect(work, thread_done), key=lambda t: t.sample)
 
     async def cancel(self, job_id: str) -> int:
@@ -139,11 +211,12 @@ class SolveService:
 def service_factory(model_dir, kv_budget: int | None, workers: int, profile_path: str | Path | None = DEFAULT_PROFILE):
     """Builds the SolveService when the API starts (workers load then, not when the module is imported)."""
     def build() -> SolveService:
-        from transformers import AutoTokenizer
-
+        from dms_runtime.loading import check_model_dir, load_tokenizer
         from workers.factory import make_pool
 
+        check_model_dir(model_dir)  # a clear error before any worker starts
+        tokenizer = load_tokenizer(model_dir)
         pool = make_pool(model_dir, kv_budget, workers)
-        return SolveService(pool, AutoTokenizer.from_pretrained(model_dir, local_files_only=True), profile_path)
+        return SolveService(pool, tokenizer, profile_path)
 
     return build

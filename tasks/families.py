@@ -200,9 +200,10 @@ FAMILIES = ("chain", "math", "regex")
 
 
 def get_family(name: str, *, answer_pattern: str | None = None, verifier: Verifier | None = None,
-               thinking: bool | None = None) -> TaskFamily:
+               thinking: bool | None = None, stop_strings: tuple[str, ...] | list[str] | None = None) -> TaskFamily:
     """The family called ``name`` (``answer_pattern`` is the regex family's; ``thinking`` overrides a free-text
-    family's default); raises ValueError naming ``task`` for an unknown name."""
+    family's default; ``stop_strings`` replace its stop strings); raises ValueError naming ``task`` for an unknown
+    name. Everything but the verifier is plain data, so a worker rebuilds the same family from the same arguments."""
     if name == "chain":
         family: TaskFamily = ChainFamily()
     elif name == "math":
@@ -220,6 +221,12 @@ def get_family(name: str, *, answer_pattern: str | None = None, verifier: Verifi
         changes["verifier"] = verifier
     if thinking is not None and name != "chain":
         changes["thinking"] = thinking
+    if stop_strings:
+        if name == "chain":
+            raise ValueError("stop_strings: the chain task stops after its answer; it takes no stop strings")
+        if not all(isinstance(s, str) and s for s in stop_strings):
+            raise ValueError("stop_strings: must be non-empty strings")
+        changes["stop_strings"] = tuple(stop_strings)
     return dataclasses.replace(family, **changes) if changes else family  # type: ignore[type-var]
 
 

@@ -1,4 +1,9 @@
-"""Problem files: JSON Lines of ``{"id", "prompt", "answer"}`` (extra keys such as ``k`` are kept)."""
+"""Problem files: JSON Lines of ``{"id", "prompt", "answer"}`` (extra keys such as ``k`` are kept).
+
+A row may name its task family (``"task": "math"``, and the regex family's ``"answer_pattern"``); rows that name
+none are of the file's default family (a batch: the model's). Chain rows are checked against the reference
+solver; rows of other families are checked by their family, and their ``answer`` is optional (no score then).
+"""
 
 from __future__ import annotations
 
@@ -8,14 +13,16 @@ from pathlib import Path
 from typing import Iterable
 
 from tasks.chain import ProblemError, parse_problem
+from tasks.families import get_family
 
 
 class ProblemFileError(ValueError):
     """A problem file that cannot be used; the message names the file, line and field."""
 
 
-def read_problems(path: str | Path, limit: int | None = None) -> list[dict]:
-    """Read and validate a problem file; ``answer`` is checked against the reference solver."""
+def read_problems(path: str | Path, limit: int | None = None, task: str = "chain") -> list[dict]:
+    """Read and validate a problem file; a chain row's ``answer`` is checked against the reference solver.
+    ``task`` is the family of rows that name none (a row's own ``task`` is kept as it is)."""
     path = Path(path)
     if not path.is_file():
         raise ProblemFileError(f"problem file not found: {path}")
@@ -31,24 +38,48 @@ def read_problems(path: str | Path, limit: int | None = None) -> list[dict]:
                 raise ProblemFileError(f"{where}: not valid JSON ({error.msg})") from None
             if not isinstance(record, dict):
                 raise ProblemFileError(f"{where}: each line must be a JSON object")
-            for field in ("id", "prompt", "answer"):
-                if not isinstance(record.get(field), str):
-                    raise ProblemFileError(f"{where}: field '{field}' must be a string")
-            try:
-                problem = parse_problem(record["prompt"])
-            except ProblemError as error:
-                raise ProblemFileError(f"{where}: field 'prompt': {error}") from None
-            if record["answer"].lstrip("0") != problem.answer.lstrip("0"):
-                raise ProblemFileError(
-                    f"{where}: field 'answer' is {record['answer']!r} but the problem evaluates to {problem.answer!r}"
-                )
-            record.setdefault("k", problem.k)
+            row_task = record.get("task", task)
+            if not isinstance(row_task, str):
+                raise ProblemFileError(f"{where}: field 'task' must be a string")
+            if row_task == "chain":
+                _check_chain_row(record, where)
+            else:
+                _check_row(record, row_task, where)
             records.append(record)
             if limit is not None and len(records) >= limit:
                 break
     if not records:
         raise ProblemFileError(f"{path}: no problems in file")
     return records
+
+
+def _check_chain_row(record: dict, where: str) -> None:
+    for field in ("id", "prompt", "answer"):
+        if not isinstance(record.get(field), str):
+            raise ProblemFileError(f"{where}: field '{field}' must be a string")
+    try:
+        problem = parse_problem(record["prompt"])
+    except ProblemError as error:
+        raise ProblemFileError(f"{where}: field 'prompt': {error}") from None
+    if record["answer"].lstrip("0") != problem.answer.lstrip("0"):
+        raise ProblemFileError(
+            f"{where}: field 'answer' is {record['answer']!r} but the problem evaluates to {problem.answer!r}"
+        )
+    record.setdefault("k", problem.k)
+
+
+def _check_row(record: dict, task: str, where: str) -> None:
+    """A row of a free-text family: its family exists and accepts the prompt; an answer, if any, is a string."""
+    for field in ("id", "prompt"):
+        if not isinstance(record.get(field), str):
+            raise ProblemFileError(f"{where}: field '{field}' must be a string")
+    if "answer" in record and not isinstance(record["answer"], str):
+        raise ProblemFileError(f"{where}: field 'answer' must be a string")
+    try:
+        get_family(task, answer_pattern=record.get("answer_pattern")).validate(record["prompt"])
+    except ValueError as error:
+        field, _, message = str(error).partition(": ")
+        raise ProblemFileError(f"{where}: field '{field}': {message}") from None
 
 
 def read_jsonl(path: str | Path) -> list[dict]:

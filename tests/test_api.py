@@ -120,7 +120,9 @@ def test_openai_style_completions_and_metrics(server):
     response = httpx.post(f"{server}/v1/completions", json={"model": "chain-qwen3", "prompt": "a=7;b=2;c=a+a;d=c*c;?d", "n": 2},
                           headers=AUTH, timeout=120).json()
     assert response["object"] == "text_completion" and len(response["choices"]) == 2
-    assert response["choices"][0]["text"] == "#96"  # chain values are taken mod 100
+    text = response["choices"][0]["text"]  # the generated text: the chain of thought, then the answer
+    assert text.rstrip().endswith("#96") and "d=" in text  # chain values are taken mod 100
+    assert response["usage"]["prompt_tokens"] == 1 + len("a=7;b=2;c=a+a;d=c*c;?d\n")  # BOS, then a token a character
     bad = httpx.post(f"{server}/v1/completions", json={"prompt": "a=1;?b", "n": 2}, headers=AUTH)
     assert bad.status_code == 422 and bad.json()["detail"][0]["loc"][:2] == ["body", "prompt"]
     metrics = httpx.get(f"{server}/metrics", headers=AUTH).text

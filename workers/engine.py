@@ -13,8 +13,10 @@ so do cancelled ones. The pool counts each task's slots, so a thread reports its
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -30,6 +32,7 @@ from workers.kv_budget import KVBudgetModel
 from workers.sampler import sample_rows
 from workers.scheduler import Scheduler
 from workers.records import ThreadResult
+from tasks.families import TaskFamily
 from workers.thread import SamplingParams, StopRule, Thread
 
 PREFILL_CHUNK = 128  # prompt tokens per prefill pass: bounds the slots a prefill holds before eviction
@@ -88,7 +91,7 @@ class EngineStats:
 
 class Engine:
     def __init__(self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, adapters: AdapterSet,
-                 kv_budget_bytes: int, max_running: int = 256):
+                 kv_budget_bytes: int, max_running: int = 256, eos_ids: Iterable[int] = ()):
         self.model, self.tokenizer, self.adapters = model, tokenizer, adapters
         geometry = kv_geometry(model)
         parameter = next(model.parameters())
@@ -98,7 +101,11 @@ class Engine:
         self.cache = self._new_cache()
         self.budget_model = KVBudgetModel(geometry.kv_bytes_per_token, adapters.windows, adapters.growths)
         self.scheduler = Scheduler(self.pool.capacity, self.slots_per_token, self.budget_model, max_running)
-        self.stop = StopRule.for_tokenizer(tokenizer)
+        # The chain family's rule (threads of other families carry their own); ``eos_ids``: every EOS id of the
+        # model's generation_config.json, which ends a thread of any family.
+        self.eos_ids = tuple(eos_ids)
+        self.stop = StopRule.for_tokenizer(tokenizer, eos_ids=self.eos_ids)
+        self._stops: dict[tuple, StopRule] = {}
         self.rows: list[Thread] = []  # the running threads, in the cache's row order
         self.next_input = torch.zeros(0, dtype=torch.long)  # per row: the token to feed next
         self._arrivals = 0
@@ -114,16 +121,21 @@ class Engine:
 
     # -- requests ------------------------------------------------------------------------------------
     def submit(self, request_id: str, prompt_ids: list[int], samples: list[int], params: SamplingParams, cr: float = 1.0,
-               task_id: str | None = None, keep: bool = False) -> list[Thread]:
+               task_id: str | None = None, keep: bool = False, family: TaskFamily | None = None) -> list[Thread]:
         """Queue threads ``samples`` (their indices in the task) of a tokenized prompt; thread i is seeded
         ``thread_seed(params.seed, i)``. ``task_id`` (default: the request) groups requests that share a prompt;
-        ``keep`` holds the task (and its prompt) until :meth:`close_task`."""
+        ``keep`` holds the task (and its prompt) until :meth:`close_task`; ``family`` (default: chain) says how
+        its threads stop and what their answers are."""
         self.adapters.index(cr)  # an unknown ratio fails here, before any work
         task_id = task_id or request_id
+        stop = self._stop_rule(family)
         threads = []
         for index in samples:
-            thread_params = SamplingParams(params.temperature, params.top_p, params.max_new_tokens, thread_seed(params.seed, index))
-            thread = Thread(request_id, index, list(prompt_ids), thread_params, cr, task_id=task_id, seq=self._arrivals)
+            thread_params = dataclasses.replace(params, seed=thread_seed(params.seed, index))
+            thread = Thread(request_id, index, list(prompt_ids), thread_params, cr, task_id=task_id, seq=self._arrivals,
+                            stop=stop)
+            if family is not None:
+                thread.family = family
             self._arrivals += 1
             need = self.scheduler.reservation(thread)
             if need > self.pool.capacity:
@@ -136,6 +148,15 @@ class Engine:
         task.live += len(threads)
         self.scheduler.add(threads)
         return threads
+
+    def _stop_rule(self, family: TaskFamily | None) -> StopRule | None:
+        """A family's stop rule, built once per family (``None``: the chain family, which reads ``self.stop``)."""
+        if family is None or family.name == "chain":
+            return None
+        key = (family.name, tuple(family.stop_strings))
+        if key not in self._stops:
+            self._stops[key] = StopRule.for_tokenizer(self.tokenizer, family, self.eos_ids)
+        return self._stops[key]
 
     def encode(self, prompt: str) -> list[int]:
         """A prompt's token ids (for callers that drive the engine directly with text)."""
@@ -299,10 +320,12 @@ class Engine:
         """Sample one token for each of ``threads`` (rows of ``logits``, in order); retire the finished."""
         temperature = torch.tensor([t.params.temperature for t in threads])
         top_p = torch.tensor([t.params.top_p for t in threads])
-        chosen = sample_rows(logits, temperature, top_p, [t.generator for t in threads]).cpu()
+        top_k = torch.tensor([t.params.top_k for t in threads])
+        min_p = torch.tensor([t.params.min_p for t in threads])
+        chosen = sample_rows(logits, temperature, top_p, [t.generator for t in threads], top_k, min_p).cpu()
         logprobs = torch.log_softmax(logits.float(), dim=-1).gather(-1, chosen[:, None].to(logits.device))[:, 0].cpu()
         self.next_input[self._row_indices(threads)] = chosen
-        done = [t for t, token, lp in zip(threads, chosen.tolist(), logprobs.tolist()) if t.append(token, lp, self.stop)]
+        done = [t for t, token, lp in zip(threads, chosen.tolist(), logprobs.tolist()) if t.append(token, lp, t.stop or self.stop)]
         self.tokens_generated += len(threads)
         return self._retire(done)
 

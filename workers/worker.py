@@ -24,6 +24,9 @@ from dms_runtime.adapters import adapter_path, load_gates, model_fingerprint
 from dms_runtime.gate_bank import AdapterSet
 from dms_runtime.kv_growth import read_kv_growth
 from dms_runtime.loading import default_model_path, kv_geometry, load_model
+from dms_runtime.model_dir import context_length, eos_token_ids, generation_defaults, has_chat_template, read_config
+from dms_runtime.nvidia_layout import NvidiaAdapterSet, load_nvidia_layout, read_dms_config
+from tasks.families import TaskFamily, default_family, get_family
 from workers.engine import Engine
 from workers.records import ThreadResult
 from workers.thread import SamplingParams
@@ -51,7 +54,9 @@ class ProblemRequest:
     """Threads ``samples`` (indices) of one tokenized prompt; ``request_id`` is unique among a worker's requests.
 
     Requests with one ``task_id`` share the prompt's prefill and slots (default: the request is its own task);
-    ``keep_task`` keeps the task, and its held prompt, open after the request ends, until ``close_task``."""
+    ``keep_task`` keeps the task, and its held prompt, open after the request ends, until ``close_task``.
+    ``task_family`` (with the regex family's ``answer_pattern`` and any ``stop_strings``) is how the threads stop
+    and what their answers are: plain data, so a Ray worker rebuilds the family (``tasks.families.get_family``)."""
 
     request_id: str
     prompt_ids: tuple[int, ...]
@@ -60,6 +65,12 @@ class ProblemRequest:
     cr: float = 1.0
     task_id: str = ""
     keep_task: bool = False
+    task_family: str = "chain"
+    answer_pattern: str | None = None
+    stop_strings: tuple[str, ...] = ()
+
+    def family(self) -> TaskFamily:
+        return get_family(self.task_family, answer_pattern=self.answer_pattern, stop_strings=self.stop_strings or None)
 
     @property
     def task(self) -> str:
@@ -85,7 +96,11 @@ class WorkerStats:
 
 
 def available_ratios(model_dir: str | Path) -> list[float]:
-    """The compression ratios with an adapter file beside the model (``dms-<cr>x.safetensors``)."""
+    """The compression ratios served from a model directory: an NVIDIA-layout directory's ``dms_cr`` (none with
+    ``dms_disable_eviction``), else those with an adapter file beside the model (``dms-<cr>x.safetensors``)."""
+    nvidia = read_dms_config(model_dir)
+    if nvidia is not None:
+        return [] if nvidia.disable_eviction else [float(nvidia.cr)]
     ratios = []
     for path in Path(model_dir).glob("dms-*x.safetensors"):
         try:
@@ -95,17 +110,28 @@ def available_ratios(model_dir: str | Path) -> list[float]:
     return sorted(ratios)
 
 
-def build_engine(config: WorkerConfig) -> Engine:
-    device = config.device if config.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
-    dtype = torch.bfloat16 if device == "cuda" else torch.float32
-    model, tokenizer = load_model(config.model, device=device, dtype=dtype)
-    paths = {cr: adapter_path(config.model, cr) for cr in available_ratios(config.model)}
+def load_adapters(model, model_dir: str | Path, reserve: str = "measured") -> AdapterSet:
+    """The gates a worker serves: an NVIDIA-layout directory's own (ratio ``dms_cr``, read as they are), else
+    thinkpool's ``dms-<cr>x`` adapters beside the model, with their measured KV growth."""
+    layout = load_nvidia_layout(model, model_dir)
+    if layout is not None:
+        return NvidiaAdapterSet(model, layout)
+    paths = {cr: adapter_path(model_dir, cr) for cr in available_ratios(model_dir)}
     adapters = {cr: load_gates(model, path) for cr, path in paths.items()}
-    growth = {cr: read_kv_growth(path) for cr, path in paths.items()} if config.reserve == "measured" else {}
+    growth = {cr: read_kv_growth(path) for cr, path in paths.items()} if reserve == "measured" else {}
+    return AdapterSet(model, adapters, growth)
+
+
+def build_engine(config: WorkerConfig) -> Engine:
+    """The model in its stored dtype on a GPU (fp32 on the CPU), its gates, and an engine that stops threads at
+    every EOS id of its ``generation_config.json``."""
+    device = config.device if config.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+    model, tokenizer = load_model(config.model, device=device)
+    adapters = load_adapters(model, config.model, config.reserve)
     budget = config.kv_budget_bytes
     if budget is None:
         budget = int(torch.cuda.mem_get_info()[0] * config.gpu_memory_fraction) if device == "cuda" else DEFAULT_KV_BUDGET
-    return Engine(model, tokenizer, AdapterSet(model, adapters, growth), budget, config.max_running)
+    return Engine(model, tokenizer, adapters, budget, config.max_running, eos_ids=eos_token_ids(config.model))
 
 
 class ModelWorker:
@@ -160,7 +186,7 @@ class ModelWorker:
         self._task_of[request.request_id] = request.task
         try:
             await self._locked(self.engine.submit, request.request_id, list(request.prompt_ids), list(request.samples),
-                               request.params, request.cr, request.task, request.keep_task)
+                               request.params, request.cr, request.task, request.keep_task, request.family())
             self._work.set()
             for _ in request.samples:
                 item = await queue.get()
@@ -207,6 +233,9 @@ class ModelWorker:
         await self._locked(reset)
 
     def info(self) -> dict:
+        """What the service checks requests against: ratios, KV budget and geometry, and the model directory's own
+        settings (its default task family, context length, sampling defaults, chat template, gate layout)."""
+        model_dir = self.config.model
         return {
             "model": self.config.model,
             "fingerprint": self.fingerprint,
@@ -215,6 +244,11 @@ class ModelWorker:
             "kv_budget_bytes": self.engine.pool.budget_bytes,
             "geometry": kv_geometry(self.engine.model).as_dict(),
             "device": str(self.engine.pool.keys.device),
+            "task": default_family(model_dir),
+            "context_length": context_length(read_config(model_dir)),
+            "generation": generation_defaults(model_dir),
+            "chat_template": has_chat_template(model_dir),
+            "layout": "nvidia" if isinstance(self.engine.adapters, NvidiaAdapterSet) else "thinkpool",
         }
 
     def ping(self) -> float:

@@ -5,24 +5,73 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from orchestrator.commands.common import load_model_or_exit
+
+
+def describe_model(path: Path) -> dict:
+    """What a model directory is, from its config, tokenizer and adapter files and safetensors headers only (no
+    weights load): architecture, KV geometry as this machine would serve it, the ratios and windows its gates
+    offer, its task family, context length, sampling defaults and whether its tokenizer has a chat template."""
+    import torch
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    from dms_runtime.adapters import adapter_path, read_adapter_metadata
+    from dms_runtime.loading import KVGeometry, load_dtype
+    from dms_runtime.model_dir import (context_length, eos_token_ids, generation_defaults, has_chat_template,
+                                       has_tokenizer, parameter_count, read_config, stored_dtype)
+    from dms_runtime.nvidia_layout import read_dms_config
+    from tasks.families import default_family
+    from workers.worker import available_ratios
+
+    config = read_config(path)
+    nvidia = read_dms_config(path)
+    ratios = available_ratios(path)
+    if nvidia is not None:
+        windows = {cr: nvidia.window_size for cr in ratios}
+    else:
+        windows = {cr: read_adapter_metadata(adapter_path(path, cr))["dms_config"].get("window") for cr in ratios}
+    architectures = config.get("architectures") or [MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(config.get("model_type"))]
+    heads = config["num_attention_heads"]
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    dtype = load_dtype(path, device)
+    geometry = KVGeometry(config["num_hidden_layers"], config.get("num_key_value_heads") or heads,
+                          config.get("head_dim") or config["hidden_size"] // heads, dtype.itemsize)
+    return {
+        "model": str(path),
+        "architecture": architectures[0],
+        "model_type": config.get("model_type"),
+        "parameters": parameter_count(path),
+        "stored_dtype": stored_dtype(config),
+        "device": device,
+        "dtype": str(dtype).removeprefix("torch."),
+        "hidden_size": config["hidden_size"],
+        "num_attention_heads": heads,
+        "vocab_size": config.get("vocab_size"),
+        "max_position_embeddings": context_length(config),
+        **geometry.as_dict(),
+        "layout": "nvidia" if nvidia is not None else "thinkpool",
+        "ratios": [1.0] + ratios,
+        "windows": {f"{cr:g}": w for cr, w in windows.items()},
+        "nvidia_dms": None if nvidia is None else nvidia.config_fields(),
+        "task": default_family(path),
+        "tokenizer": has_tokenizer(path),
+        "chat_template": has_chat_template(path),
+        "eos_token_ids": eos_token_ids(path),
+        "generation": generation_defaults(path),
+    }
 
 
 def cmd_info(args, parser) -> int:
-    from dms_runtime.loading import kv_geometry
+    """``thinkpool info``: the model directory described from its files; no weights are loaded."""
+    from dms_runtime.loading import default_model_path
 
-    model, _, name = load_model_or_exit(args, parser)
-    config = model.config
-    info = {
-        "model": name,
-        "architecture": type(model).__name__,
-        "parameters": sum(p.numel() for p in model.parameters()),
-        "hidden_size": config.hidden_size,
-        "num_attention_heads": config.num_attention_heads,
-        "vocab_size": config.vocab_size,
-        "max_position_embeddings": config.max_position_embeddings,
-        **kv_geometry(model).as_dict(),
-    }
+    path = Path(args.model or default_model_path())
+    if not (path / "config.json").is_file():
+        parser.error(f"argument --model: no model at {path}: expected a Hugging Face checkpoint directory with "
+                     "config.json")
+    try:
+        info = describe_model(path)
+    except (ValueError, KeyError) as error:
+        parser.error(f"argument --model: {path}: {error}")
     if args.json:
         print(json.dumps(info))
     else:
