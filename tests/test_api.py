@@ -2,40 +2,23 @@
 
 import asyncio
 
-import threading
 import time
 
 import httpx
 import pytest
-import uvicorn
 
 from orchestrator.api import create_app
 from orchestrator.service import service_factory
 from orchestrator.jobs import MemoryJobStore
 from dms_runtime.loading import SHIPPED_MODEL
-from ports import free_port
+from http_server import serving
 
 
 @pytest.fixture(scope="module")
 def server(monkeypatch_module):
     monkeypatch_module.setenv("THINKPOOL_API_KEYS", "secret-key,small-key:2:5000000")
-    port = free_port()
-    app = create_app(service_factory(SHIPPED_MODEL, 20_000_000, 0), store=MemoryJobStore())
-    config = uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning")
-    runner = uvicorn.Server(config)
-    thread = threading.Thread(target=runner.run, daemon=True)
-    thread.start()
-    url = f"http://127.0.0.1:{port}"
-    for _ in range(300):
-        try:
-            if httpx.get(f"{url}/readyz").status_code == 200:
-                break
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.1)
-    yield url
-    runner.should_exit = True
-    thread.join(timeout=10)
+    with serving(create_app(service_factory(SHIPPED_MODEL, 20_000_000, 0), store=MemoryJobStore()), ready_s=30) as url:
+        yield url
 
 
 @pytest.fixture(scope="module")

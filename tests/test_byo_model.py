@@ -5,20 +5,17 @@ and the CLI; the task families' stop rules, sampling defaults and the errors a b
 import json
 import subprocess
 import sys
-import threading
-import time
 from pathlib import Path
 
 import httpx
 import pytest
 import torch
-import uvicorn
 
 from byo_models import ANSWERS, CONTEXT, GENERATION, bpe_tokenizer, nvidia_config, write_model_dir
 from orchestrator.api import create_app
 from orchestrator.jobs import MemoryJobStore
 from orchestrator.service import service_factory
-from ports import free_port
+from http_server import serving
 from tasks.families import get_family
 
 REPO = Path(__file__).resolve().parent.parent
@@ -43,28 +40,13 @@ def nvidia_dir(tmp_path_factory):
 
 def serve(model_dir: Path):
     """``thinkpool serve --model DIR`` in miniature: the app over real HTTP on a loopback port."""
-    port = free_port()
-    app = create_app(service_factory(model_dir, 4_000_000, 0), store=MemoryJobStore())
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    url = f"http://127.0.0.1:{port}"
-    for _ in range(600):
-        try:
-            if httpx.get(f"{url}/readyz").status_code == 200:
-                break
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.1)
-    return url, server, thread
+    return serving(create_app(service_factory(model_dir, 4_000_000, 0), store=MemoryJobStore()))
 
 
 @pytest.fixture(scope="module")
 def qwen_server(qwen_dir):
-    url, server, thread = serve(qwen_dir)
-    yield url
-    server.should_exit = True
-    thread.join(timeout=10)
+    with serve(qwen_dir) as url:
+        yield url
 
 
 def post(url: str, path: str, body: dict) -> httpx.Response:
@@ -164,8 +146,7 @@ def test_batch_rows_name_their_task_and_are_scored_by_it(qwen_dir, tmp_path):
 
 # -- NVIDIA's layout ----------------------------------------------------------------------------------------------
 def test_an_nvidia_directory_is_served_as_it_is_at_its_dms_cr(nvidia_dir):
-    url, server, thread = serve(nvidia_dir)
-    try:
+    with serve(nvidia_dir) as url:
         assert httpx.get(f"{url}/v1/models").json()["data"][0]["ratios"] == [1.0, 8.0]
         compressed = post(url, "/v1/solve", {"prompt": HALF, "samples": 1, "cr": 8, "max_tokens": 60})
         assert compressed.status_code == 200, compressed.text
@@ -175,9 +156,6 @@ def test_an_nvidia_directory_is_served_as_it_is_at_its_dms_cr(nvidia_dir):
         assert vanilla["realized_cr"] == 1 and vanilla["answer"] == r"\frac{3}{4}"  # eviction off: the plain model
         refused = post(url, "/v1/solve", {"prompt": HALF, "samples": 1, "cr": 4})
         assert refused.status_code == 422 and "no DMS adapter for 4x" in refused.json()["detail"][0]["msg"]
-    finally:
-        server.should_exit = True
-        thread.join(timeout=10)
 
 
 # -- the CLI ----------------------------------------------------------------------------------------------------
