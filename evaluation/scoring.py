@@ -14,10 +14,10 @@ from collections import defaultdict
 from dataclasses import dataclass
 
 from dms_runtime.loading import kv_geometry
-from policies.extraction import answers_match
 from policies.voting import majority_vote
 from evaluation.reference_decode import KVPolicy, SamplingParams, generate_threads
-from tasks.jsonl import problem_seed
+from tasks.families import TaskFamily, get_family
+from tasks.jsonl import problem_seed, row_family
 from tasks.prompt import format_prompt
 
 
@@ -75,20 +75,22 @@ def evaluate(
     }
 
 
-def problem_record(problem: dict, threads: list) -> dict:
+def problem_record(problem: dict, threads: list, family: TaskFamily | None = None) -> dict:
     """One problem's outcome from its threads (anything with ``answer``, ``tokens``, ``mean_logprob``,
-    ``min_logprob`` and ``realized_cr``); each thread's answer and confidence are kept, so that other
-    aggregations can be scored on the same threads later."""
-    vote = majority_vote([t.answer for t in threads], [t.mean_logprob for t in threads])
+    ``min_logprob`` and ``realized_cr``), answers compared and grouped by the problem's task ``family`` (default:
+    chain); each thread's answer and confidence are kept, so that other aggregations can be scored on the same
+    threads later."""
+    family = family or get_family("chain")
+    vote = majority_vote([t.answer for t in threads], [t.mean_logprob for t in threads], key=family.key)
     return {
         "id": problem["id"],
         "k": problem.get("k"),
         "expected": problem["answer"],
         "answer": vote.answer,
-        "correct": answers_match(vote.answer, problem["answer"]),
+        "correct": family.same(vote.answer, problem["answer"]),
         "votes": vote.counts,
         "samples": len(threads),
-        "thread_accuracy": sum(answers_match(t.answer, problem["answer"]) for t in threads) / max(1, len(threads)),
+        "thread_accuracy": sum(family.same(t.answer, problem["answer"]) for t in threads) / max(1, len(threads)),
         "tokens": sum(t.tokens for t in threads),
         "realized_cr": sum(t.realized_cr for t in threads) / max(1, len(threads)),
         "threads": [{"answer": t.answer, "tokens": t.tokens, "mean_logprob": round(t.mean_logprob, 5),
@@ -123,8 +125,10 @@ async def evaluate_on_pool(
     fit: bool = False,
     sequential: bool = False,
     progress: bool = True,
+    default_task: str = "chain",
 ) -> dict:
-    """Score ``problems`` on a worker pool (Ray ``WorkerPool`` or in-process ``LocalPool``) at ratio ``cr``.
+    """Score ``problems`` on a worker pool (Ray ``WorkerPool`` or in-process ``LocalPool``) at ratio ``cr``; a row
+    is of its own task family (``task``), else of ``default_task`` (the model's).
 
     ``sequential`` solves one problem at a time, each with the whole pool (``--kv-budget``); otherwise all
     problems are queued at once and the engines batch them continuously. ``fit`` runs, per problem, as
@@ -139,12 +143,15 @@ async def evaluate_on_pool(
         return SamplingParams(0.0 if samples == 1 else options.temperature, options.top_p, options.max_new_tokens,
                               seed=problem_seed(options.seed, problem["id"]))
 
-    prompts = [tuple(tokenizer(format_prompt(p["prompt"]))["input_ids"]) for p in problems]
+    families = [row_family(p, default_task) for p in problems]
+    prompts = [tuple(f.encode(p["prompt"], tokenizer)) for f, p in zip(families, problems)]
     counts = [options.samples] * len(problems)
     if fit:
         counts = [await pool.fit(list(ids), params(2, p), cr) for ids, p in zip(prompts, problems)]
-    requests = [ProblemRequest(f"eval-{i}", ids, tuple(range(n)), params(n, p), cr)
-                for i, (ids, n, p) in enumerate(zip(prompts, counts, problems))]
+    requests = [ProblemRequest(f"eval-{i}", ids, tuple(range(n)), params(n, p), cr, task_family=f.name,
+                               answer_pattern=getattr(f, "answer_pattern", None) or None,
+                               stop_strings=tuple(f.stop_strings))
+                for i, (ids, n, p, f) in enumerate(zip(prompts, counts, problems, families))]
     await pool.reset_peaks()
     started = time.perf_counter()
     with tqdm(total=sum(counts), desc=method, unit="thread", disable=not progress) as bar:
@@ -158,7 +165,7 @@ async def evaluate_on_pool(
     elapsed = time.perf_counter() - started
     stats = [s for s in await pool.stats() if s is not None]
     threads = [t for group in results for t in group]
-    records = [problem_record(problem, group) for problem, group in zip(problems, results)]
+    records = [problem_record(problem, group, family) for problem, group, family in zip(problems, results, families)]
     info = pool.info()
     return {
         "method": method,

@@ -9,7 +9,9 @@ import sys
 from pathlib import Path
 
 from orchestrator.arguments import bounded, byte_size, fixed_config, k_range, sample_count
-from orchestrator.settings import DEFAULT_PROFILE, get_settings
+from orchestrator.settings import get_settings
+from policies.planner import SIGNALS
+from tasks.families import FAMILIES
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -67,8 +69,8 @@ def build_parser() -> argparse.ArgumentParser:
                           help="the ratio every --press is held to")
     evaluate.add_argument("--controller", choices=["auto"], default=None,
                           help="let the controller choose ratio and threads per problem (needs --kv-budget)")
-    evaluate.add_argument("--profile", type=Path, default=DEFAULT_PROFILE,
-                          help="the controller's calibration profile (thinkpool calibrate)")
+    evaluate.add_argument("--profile", type=Path, default=None,
+                          help="the controller's calibration profile (default: the model's calibration-<task>.json)")
     evaluate.add_argument("--max-threads", type=bounded(int, 1, max_samples), default=32,
                           help="the controller's thread budget per problem")
     evaluate.add_argument("--json", action="store_true", help="print one JSON summary object")
@@ -100,7 +102,8 @@ def build_parser() -> argparse.ArgumentParser:
     versus.add_argument("--kv-budget", type=byte_size, required=True, help="the memory each problem's threads may hold")
     versus.add_argument("--fixed", type=fixed_config, nargs="+", default=[(1.0, 4), (4.0, 8), (8.0, 16), (8.0, 32)],
                         help="fixed configurations CRxTHREADS (default: 1x4 4x8 8x16 8x32)")
-    versus.add_argument("--profile", type=Path, default=DEFAULT_PROFILE)
+    versus.add_argument("--profile", type=Path, default=None,
+                        help="the controller's calibration profile (default: the model's calibration-<task>.json)")
     versus.add_argument("--max-threads", type=bounded(int, 1, max_samples), default=32, help="the controller's threads per problem")
     versus.add_argument("--seed", type=int, default=0)
     versus.add_argument("--temperature", type=bounded(float, 0.01, 5.0), default=settings.sampling.temperature)
@@ -135,9 +138,20 @@ def build_parser() -> argparse.ArgumentParser:
     add_batch_arguments(commands.add_parser("batch", help="solve a problem file on the workers (or a Ray cluster), one result line each"))
 
     calibrate = commands.add_parser("calibrate", help="measure the planner's profile (accuracy and tokens by difficulty, ratio, threads)")
-    calibrate.add_argument("--bins", type=k_range, nargs="+", default=[(1, 5), (6, 10), (11, 15), (16, 20)])
+    calibrate.add_argument("--problems", type=Path, default=None,
+                           help="JSONL file of {id, prompt, answer[, task]} to measure on (binned by the greedy thread's "
+                                "confidence); default: fresh chain problems per k bin")
+    calibrate.add_argument("--task", choices=FAMILIES, default=None, help="task family of rows that name none (default: the model's)")
+    calibrate.add_argument("--limit", type=bounded(int, 1), default=None, help="the file's first N problems")
+    calibrate.add_argument("--signal", choices=SIGNALS, default=None,
+                           help="what the bins are bins of: k (generated chain problems) or greedy_confidence (any task; "
+                                "the default with --problems)")
+    calibrate.add_argument("--quantile-bins", type=bounded(int, 1, 16), default=4,
+                           help="greedy_confidence: bins of equal numbers of problems")
+    calibrate.add_argument("--bins", type=k_range, nargs="+", default=[(1, 5), (6, 10), (11, 15), (16, 20)],
+                           help="k: the difficulty bins of generated chain problems")
+    calibrate.add_argument("--per-bin", type=bounded(int, 1, 1000), default=8, help="k: fresh problems per bin")
     calibrate.add_argument("--cr", type=bounded(float, 1, 64), nargs="+", default=None, help="ratios (default: 1 and every adapter)")
-    calibrate.add_argument("--problems", type=bounded(int, 1, 1000), default=8, help="fresh problems per bin")
     calibrate.add_argument("--threads", type=bounded(int, 1, max_samples), default=16, help="sampled threads per problem")
     calibrate.add_argument("--max-new-tokens", type=bounded(int, 16, 8192), default=settings.sampling.max_new_tokens)
     calibrate.add_argument("--temperature", type=bounded(float, 0.01, 5.0), nargs="+", default=[settings.sampling.temperature],
@@ -145,7 +159,8 @@ def build_parser() -> argparse.ArgumentParser:
     calibrate.add_argument("--top-p", type=bounded(float, 0.01, 1.0), default=settings.sampling.top_p)
     calibrate.add_argument("--seed", type=int, default=777)
     calibrate.add_argument("--workers", type=bounded(int, 0, 64), default=1)
-    calibrate.add_argument("--output", type=Path, default=DEFAULT_PROFILE)
+    calibrate.add_argument("--output", type=Path, default=None,
+                           help="where to write the profile (default: calibration-<task>.json beside the model)")
     add_model(calibrate)
 
     info = commands.add_parser("info", help="the model served by default and its KV geometry")

@@ -4,9 +4,12 @@
                           ^                                                                 |
                           +---------------------- escalate (more threads, a higher ratio) --+--> END
 
-* ``assess`` estimates the difficulty (the chain task's k; unknown tasks are treated as the hardest bin);
+* ``assess`` reads the task's difficulty where the profile's signal is one the task family knows up front (the
+  chain task's k); a ``greedy_confidence`` profile learns it from the task's first greedy thread instead;
 * ``plan`` asks the planner for (ratio, threads, temperature, token limit) within the task's KV budget; the
-  temperature holds for all the task's sampled threads (the profile measures votes at one temperature);
+  temperature holds for all the task's sampled threads (the profile measures votes at one temperature). With
+  the difficulty still unknown, the plan is that first greedy thread at the profile's ``signal_cr``; after it,
+  ``decide`` reads its confidence, finds its bin and plans the rest (a ``replan`` event);
 * ``dispatch`` opens a round: the first is one greedy thread (``greedy_first``: the model's single most
   likely answer, usually more accurate than any one sampled thread), the next ``first_round`` sampled
   threads; later rounds double;
@@ -52,7 +55,7 @@ from orchestrator.allocator import ThreadAllocator
 from policies.planner import CalibrationProfile, plan
 from policies.stopping import settled
 from policies.voting import confidence_vote, majority_vote
-from tasks.chain import ProblemError, parse_problem
+from tasks.families import get_family
 from workers.kv_budget import KVBudgetModel
 from workers.thread import SamplingParams
 from workers.worker import ProblemRequest
@@ -75,7 +78,10 @@ class SolveState(TypedDict, total=False):
     task_id: str
     prompt: str
     prompt_ids: list[int]
-    k: int | None
+    task_family: str  # how threads stop, what their answers are, which answers are equal (tasks/families.py)
+    answer_pattern: str | None
+    stop_strings: list[str]
+    k: float | None  # the difficulty on the profile's signal (None until a greedy_confidence task's first thread)
     prompt_tokens: int
     seed: int
     kv_budget_bytes: int
@@ -99,6 +105,9 @@ class SolveState(TypedDict, total=False):
 class ChunkState(TypedDict):
     task_id: str
     prompt_ids: list[int]
+    task_family: str
+    answer_pattern: str | None
+    stop_strings: list[str]
     seed: int
     cr: float
     max_new_tokens: int
@@ -131,6 +140,7 @@ class Controller:
         self.min_gain = min_gain  # escalating past the plan must be expected to add this much accuracy
         self.allocators = allocators  # one per worker, shared by the controllers of tasks that run at once (None: no ranking)
         self._listeners: dict[str, EventListener] = {}  # task id -> who hears its events
+        self._running: set[str] = set()  # tasks this controller is running now
         self._cancelled: set[str] = set()  # tasks told to stop: their next decision ends them
         # task id -> (its worker's allocator, ratio -> bytes its held prompt holds there)
         self._prompt_grants: dict[str, tuple[ThreadAllocator, dict[float, int]]] = {}
@@ -152,31 +162,54 @@ class Controller:
         if listener is not None:
             listener(name, data)
 
+    @property
+    def reads_signal(self) -> bool:
+        """Whether tasks learn their difficulty from their first greedy thread (else the family tells it)."""
+        return self.profile.signal == "greedy_confidence"
+
     def assess(self, state: SolveState) -> dict:
-        try:
-            k = parse_problem(state["prompt"].strip()).k
-        except ProblemError:
-            k = None
+        if self.reads_signal:
+            return {"k": None, "prompt_tokens": len(state["prompt_ids"])}
+        k = state.get("k")
+        if k is None:  # the caller gave none: the family reads it off the prompt (the chain task's k)
+            k = get_family(state.get("task_family", "chain"), answer_pattern=state.get("answer_pattern")).difficulty(
+                state["prompt"])
+        if k is None:
+            raise ValueError(f"a {self.profile.signal} profile plans only tasks whose family reads it off the prompt")
         return {"k": k, "prompt_tokens": len(state["prompt_ids"])}
 
     def plan(self, state: SolveState) -> dict:
-        chosen = plan(self.profile, state["k"], state["kv_budget_bytes"],
+        if state.get("k") is None:  # greedy_confidence: one greedy thread first; its confidence is the difficulty
+            cr = self.profile.signal_cr if self.profile.signal_cr in self.ratios else self.ratios[0]
+            event = {"event": "plan", "cr": cr, "threads": 1, "greedy": True, "provisional": True,
+                     "temperature": self.sampling_temperature(state),
+                     "expected_accuracy": round(self.profile.pooled_greedy_accuracy(cr), 3)}
+            self._emit(state["task_id"], "plan", event)
+            return {"cr": cr, "target_threads": 1, "max_new_tokens": self.profile.max_new_tokens, "round_size": 1,
+                    "next_sample": 0, "plan_greedy": False, "rounds": [event]}
+        update = self._planned(state, state["k"])
+        self._emit(state["task_id"], "plan", update["rounds"][0])
+        return {**update, "round_size": 1 if self.greedy_first else min(self.first_round, update["target_threads"]),
+                "next_sample": 0}
+
+    def _planned(self, state: SolveState, k: float, event: str = "plan") -> dict:
+        """The planner's choice for difficulty ``k`` as a state update (with its event, not yet emitted)."""
+        chosen = plan(self.profile, k, state["kv_budget_bytes"],
                       lambda cr, n: self.kv_bytes(state, cr, n, self.profile.max_new_tokens), self.ratios,
                       max_threads=state["max_threads"], temperature=self.temperature)
         # With a greedy first thread, a plan of n sampled threads runs n + 1 threads in all.
         extra = int(self.greedy_first and not chosen.greedy)
-        event = {"event": "plan", "cr": chosen.cr, "threads": chosen.threads, "greedy": chosen.greedy,
-                 "temperature": chosen.temperature, "expected_accuracy": round(chosen.expected_accuracy, 3)}
-        self._emit(state["task_id"], "plan", event)
+        record = {"event": event, "cr": chosen.cr, "threads": chosen.threads, "greedy": chosen.greedy,
+                  "temperature": chosen.temperature, "expected_accuracy": round(chosen.expected_accuracy, 3)}
         return {"cr": chosen.cr, "target_threads": chosen.threads + extra, "max_new_tokens": chosen.max_new_tokens,
-                "temperature": chosen.temperature,
-                "round_size": 1 if self.greedy_first else min(self.first_round, chosen.threads), "next_sample": 0,
-                "plan_greedy": chosen.greedy, "rounds": [event]}
+                "temperature": chosen.temperature, "plan_greedy": chosen.greedy, "rounds": [record]}
 
     def expected_accuracy(self, state: SolveState, cr: float, threads: int) -> float:
         """What ``threads`` threads of this task are expected to score (the first greedy, if so run)."""
         if threads <= 0:
             return 0.0
+        if state.get("k") is None:  # only the first greedy thread is planned before the difficulty is known
+            return self.profile.pooled_greedy_accuracy(cr)
         if self.greedy_first:
             return self.profile.accuracy_with_greedy(state["k"], cr, threads, self.sampling_temperature(state))
         return self.profile.accuracy(state["k"], cr, threads, self.sampling_temperature(state))
@@ -198,14 +231,18 @@ class Controller:
                 "rounds": [event]}
 
     def greedy_round(self, samples: list[int]) -> bool:
-        """Whether a round is the greedy first thread: sample 0, when the controller opens with one."""
-        return self.greedy_first and samples[0] == 0
+        """Whether a round is the greedy first thread: sample 0, when the controller opens with one (always, when
+        that thread's confidence is the task's difficulty)."""
+        return (self.greedy_first or self.reads_signal) and samples[0] == 0
 
     def fan_out(self, state: SolveState) -> list[Send]:
         samples = state["round_samples"]
         cr, limit = state["cr"], state["max_new_tokens"]
         return [
-            Send("run_chunk", ChunkState(task_id=state["task_id"], prompt_ids=state["prompt_ids"], seed=state["seed"], cr=cr,
+            Send("run_chunk", ChunkState(task_id=state["task_id"], prompt_ids=state["prompt_ids"],
+                                         task_family=state.get("task_family", "chain"),
+                                         answer_pattern=state.get("answer_pattern"),
+                                         stop_strings=list(state.get("stop_strings", [])), seed=state["seed"], cr=cr,
                                          max_new_tokens=limit, samples=samples[i : i + CHUNK],
                                          temperature=0.0 if self.greedy_round(samples) else self.sampling_temperature(state),
                                          kv_bytes=self.budget_model.thread_bytes(cr, limit, len(samples[i : i + CHUNK])),
@@ -219,7 +256,8 @@ class Controller:
         request = ProblemRequest(
             f"{task_id}:{chunk['samples'][0]}", tuple(chunk["prompt_ids"]), tuple(chunk["samples"]),
             SamplingParams(chunk["temperature"], self.top_p, chunk["max_new_tokens"], chunk["seed"]), chunk["cr"],
-            task_id=task_id, keep_task=True,
+            task_id=task_id, keep_task=True, task_family=chunk.get("task_family", "chain"),
+            answer_pattern=chunk.get("answer_pattern"), stop_strings=tuple(chunk.get("stop_strings", ())),
         )
 
         def thread_done(result) -> None:
@@ -251,21 +289,26 @@ class Controller:
     def aggregate(self, state: SolveState) -> dict:
         threads = state["threads"]
         answers = [t["answer"] for t in threads]
+        family = get_family(state.get("task_family", "chain"), answer_pattern=state.get("answer_pattern"))
         if self.weighting == "confidence":
             vote = confidence_vote(answers, [t["mean_logprob"] for t in threads])
-        else:
-            vote = majority_vote(answers, [t["mean_logprob"] for t in threads])
+        else:  # equal answers by the family's key (0.5 and \frac{1}{2} are one math answer)
+            vote = majority_vote(answers, [t["mean_logprob"] for t in threads], key=family.key)
         return {"answer": vote.answer, "votes": vote.counts}
 
     def cancel(self, task_id: str) -> None:
-        """End a running task at its next decision (its threads are stopped by the pool's cancel)."""
-        self._cancelled.add(task_id)
+        """End a running task at its next decision (its threads are stopped by the pool's cancel); a task this
+        controller is not running is ignored."""
+        if task_id in self._running:
+            self._cancelled.add(task_id)
 
     def decide(self, state: SolveState) -> dict:
         if state["task_id"] in self._cancelled:
             return {"stop_reason": "cancelled"}
         used = len(state["threads"])
         greedy_round = self.greedy_round(state["round_samples"])
+        if greedy_round and state.get("k") is None:
+            return self._replan(state)
         if greedy_round:
             if state.get("plan_greedy"):
                 return {"stop_reason": "planned"}
@@ -301,6 +344,21 @@ class Controller:
         return self._escalate(state, {"round_size": size, "target_threads": state["next_sample"] + size},
                               {"event": "escalate", "more_threads": size})
 
+    def _replan(self, state: SolveState) -> dict:
+        """After a greedy_confidence task's first thread: its lowest token log-probability is the task's difficulty;
+        plan the task from that bin. A plan of that one greedy thread (at its ratio) ends the task here."""
+        first = state["threads"][0]
+        k = first.get("min_logprob")
+        k = -1e9 if k is None else max(k, -1e9)  # a thread with no tokens: the least confident bin
+        update = self._planned({**state, "k": k}, k, event="replan")
+        event = {**update["rounds"][0], "signal": round(k, 4)}
+        self._emit(state["task_id"], "replan", event)
+        if update["plan_greedy"]:  # the greedy thread that ran is the plan (at the ratio the signal is read at)
+            return {"k": k, "rounds": [event], "stop_reason": "planned"}
+        target = state["next_sample"] + event["threads"]  # the plan's sampled threads follow the greedy one
+        return {**update, "k": k, "rounds": [event], "target_threads": target,
+                "round_size": min(self.first_round, event["threads"])}
+
     def _escalate(self, state: SolveState, update: dict, event: dict) -> dict:
         self._emit(state["task_id"], "escalation", event)
         return {**update, "rounds": [event]}
@@ -328,25 +386,31 @@ class Controller:
 
     # -- running tasks -------------------------------------------------------------------------------
     async def solve(self, task_id: str, prompt: str, prompt_ids: list[int], budget: Budget, seed: int = 0,
-                    on_event: EventListener | None = None) -> dict[str, Any]:
+                    on_event: EventListener | None = None, difficulty: float | None = None, task_family: str = "chain",
+                    answer_pattern: str | None = None, stop_strings: tuple[str, ...] = ()) -> dict[str, Any]:
         """Run (or, if its checkpoint exists and is unfinished, resume) one task; returns its final state.
 
-        ``prompt_ids`` is the model input, tokenized once by the caller; ``on_event(name, data)`` hears the plan,
-        each round, each escalation and each finished thread as they happen. The task's worker-side state (its
-        held prompt) is the caller's to close (``pool.close_task``)."""
+        ``prompt_ids`` is the model input, tokenized once by the caller; ``difficulty`` is the task's value of the
+        profile's signal when the family knows it up front (a ``k`` profile needs it); ``task_family`` (with its
+        ``answer_pattern`` and ``stop_strings``) says how threads stop and which answers are equal;
+        ``on_event(name, data)`` hears the plan, each round, each escalation and each finished thread as they
+        happen. The task's worker-side state (its held prompt) is the caller's to close (``pool.close_task``)."""
         config = {"configurable": {"thread_id": task_id}, "recursion_limit": 200}
         if on_event is not None:
             self._listeners[task_id] = on_event
+        self._running.add(task_id)
         try:
             snapshot = await self.graph.aget_state(config)
             if snapshot.values and snapshot.next:  # an interrupted run: continue from the checkpoint
                 return await self.graph.ainvoke(None, config)
             if snapshot.values and not snapshot.next:  # already finished
                 return snapshot.values
-            initial = SolveState(task_id=task_id, prompt=prompt, prompt_ids=list(prompt_ids), seed=seed,
+            initial = SolveState(task_id=task_id, prompt=prompt, prompt_ids=list(prompt_ids), seed=seed, k=difficulty,
+                                 task_family=task_family, answer_pattern=answer_pattern, stop_strings=list(stop_strings),
                                  kv_budget_bytes=budget.kv_budget_bytes, max_threads=budget.max_threads, threads=[], rounds=[])
             return await self.graph.ainvoke(initial, config)
         finally:
+            self._running.discard(task_id)
             self._listeners.pop(task_id, None)
             self._cancelled.discard(task_id)
             self._release_prompts(task_id)

@@ -9,7 +9,6 @@ import time
 
 from evaluation.scoring import summarize
 from orchestrator.schemas import SolveRequest
-from policies.extraction import answers_match
 from tasks.jsonl import problem_seed
 
 
@@ -21,15 +20,19 @@ async def evaluate_with_controller(problems: list[dict], service, kv_budget: int
     records, tokens = [], 0
     started = time.perf_counter()
     for index, problem in enumerate(problems):
-        request = SolveRequest(prompt=problem["prompt"], samples="auto", mode="controller", kv_budget=kv_budget,
-                               max_threads=max_threads, seed=problem_seed(seed, problem["id"]))
+        request = SolveRequest(prompt=problem["prompt"], task=problem.get("task"),
+                               answer_pattern=problem.get("answer_pattern"), samples="auto", mode="controller",
+                               kv_budget=kv_budget, max_threads=max_threads, seed=problem_seed(seed, problem["id"]))
+        same = service.family(request).same
         result = await service.solve(request, job_id=f"eval-{index}-{problem['id']}")
         threads = result.threads
         tokens += result.tokens
-        plan = next((e for e in result.rounds if e["event"] == "plan"), {})
+        # The plan that ran: a greedy_confidence profile's first plan is its probe thread; its replan is the plan.
+        plan = next((e for e in reversed(result.rounds) if e["event"] in ("plan", "replan")), {})
         records.append({"id": problem["id"], "k": problem.get("k"), "expected": problem["answer"], "answer": result.answer,
-                        "correct": answers_match(result.answer, problem["answer"]), "votes": result.votes,
-                        "thread_accuracy": sum(answers_match(t.answer, problem["answer"]) for t in threads) / len(threads),
+                        "correct": same(result.answer, problem["answer"]), "votes": result.votes,
+                        "signal": plan.get("signal"),
+                        "thread_accuracy": sum(same(t.answer, problem["answer"]) for t in threads) / len(threads),
                         "threads": len(threads), "cr": result.cr, "temperature": plan.get("temperature"),
                         "stop_reason": result.stop_reason, "kv_peak_bytes": result.kv_peak_bytes,
                         "tokens": result.tokens, "rounds": result.rounds})

@@ -4,7 +4,8 @@ Every surface calls it: the REST API, the SDK's ``LocalClient``, ``thinkpool sol
 --controller`` and the batch entry point. The prompt is tokenized once, here, and its ids travel down. Each
 request is one worker task (id: the job id): all its threads, in every chunk and round, share one prefill
 of the prompt per ratio, held on one worker until the task ends, when the service closes it. ``samples="auto"``
-goes through the controller (when a calibration profile exists); a number of samples runs that many threads
+goes through the controller (when a calibration profile for the request's task family exists beside the model,
+``calibration-<task>.json``, or was given); a number of samples runs that many threads
 at one ratio. The task's own KV peak comes back in the result (the worker's lifetime peak is in ``stats``).
 
 A request names its task family (``task``, default: the model directory's, see ``tasks/families.py``): the family
@@ -23,7 +24,7 @@ from pathlib import Path
 from orchestrator.allocator import ThreadAllocator
 from orchestrator.controller import Budget, Controller, EventListener
 from orchestrator.schemas import SolveRequest, SolveResult
-from orchestrator.settings import DEFAULT_PROFILE, get_settings
+from orchestrator.settings import get_settings
 from policies.planner import CalibrationProfile
 from policies.voting import Verifier, majority_vote, verified_vote
 from tasks.families import TaskFamily, get_family
@@ -47,20 +48,34 @@ class Prepared:
 
 
 class SolveService:
-    def __init__(self, pool, tokenizer, profile_path: str | Path | None = DEFAULT_PROFILE, checkpointer=None):
+    def __init__(self, pool, tokenizer, profiles: list[str | Path | CalibrationProfile] | None = None, checkpointer=None):
+        """``profiles``: the controller's calibration profiles, at most one per task family (default: those beside
+        the served model, ``calibration-<task>.json``)."""
         self.pool, self.tokenizer = pool, tokenizer
         self.info = pool.info()
         self.settings = get_settings()
         self.ratios = [float(r) for r in self.info["ratios"]]
         self.budget_model = KVBudgetModel.from_dict(self.info["budget_model"])
-        self.profile = CalibrationProfile.load(profile_path) if profile_path and Path(profile_path).is_file() else None
-        self.controller = None
-        if self.profile is not None:
-            ratios = sorted(set(self.ratios) & {e.cr for e in self.profile.entries})
-            # Concurrent solves share each worker's KV memory; rounds wait for it by expected gain per byte.
-            allocators = [ThreadAllocator(self.info["kv_budget_bytes"]) for _ in range(max(1, self.info["workers"]))]
-            self.controller = Controller(pool, self.profile, self.budget_model.kv_bytes_per_token, ratios,
-                                         checkpointer=checkpointer, budget_model=self.budget_model, allocators=allocators)
+        self.profiles = self._load_profiles(profiles)
+        # Concurrent solves share each worker's KV memory; rounds wait for it by expected gain per byte, whatever
+        # their task family: every family's controller takes from the same allocators.
+        allocators = [ThreadAllocator(self.info["kv_budget_bytes"]) for _ in range(max(1, self.info["workers"]))]
+        self.controllers = {
+            task: Controller(pool, profile, self.budget_model.kv_bytes_per_token,
+                             sorted(set(self.ratios) & {e.cr for e in profile.entries}), checkpointer=checkpointer,
+                             budget_model=self.budget_model, allocators=allocators)
+            for task, profile in self.profiles.items()}
+
+    def _load_profiles(self, given: list[str | Path | CalibrationProfile] | None) -> dict[str, CalibrationProfile]:
+        if given is None:
+            return CalibrationProfile.for_model(self.info["model"])
+        profiles: dict[str, CalibrationProfile] = {}
+        for item in given:
+            profile = item if isinstance(item, CalibrationProfile) else CalibrationProfile.load(item)
+            if profile.task in profiles:
+                raise ValueError(f"profile: two calibration profiles for the {profile.task} task")
+            profiles[profile.task] = profile
+        return profiles
 
     @property
     def default_task(self) -> str:
@@ -68,9 +83,9 @@ class SolveService:
         return self.info.get("task") or "chain"
 
     @property
-    def profile_task(self) -> str | None:
-        """The task family the calibration profile was measured on (profiles so far: the chain task's)."""
-        return None if self.profile is None else getattr(self.profile, "task", "chain")
+    def controller(self) -> Controller | None:
+        """The controller of the default task family (None without a profile for it)."""
+        return self.controllers.get(self.default_task)
 
     def family(self, request: SolveRequest, verifier: Verifier | None = None) -> TaskFamily:
         """The request's task family (ValueError naming ``task`` or ``answer_pattern``)."""
@@ -85,13 +100,15 @@ class SolveService:
         """Check a request against this deployment and tokenize it; ``ValueError`` naming the field (before any work)."""
         family = self.family(request, verifier)
         prompt = family.validate(request.prompt)
-        # The controller plans from a profile measured on one task family; other families get a fixed count.
-        controller = self.controller if family.name == self.profile_task else None
+        # The controller plans from a profile measured on the request's task family; without one, "auto" is one
+        # greedy thread and an explicit controller mode is refused.
+        controller = self.controllers.get(family.name)
         if request.mode == "controller" and controller is None:
-            if self.controller is None:
-                raise ValueError("mode: the controller needs a calibration profile (thinkpool calibrate) on this deployment")
-            raise ValueError(f"mode: the controller's calibration profile is for the {self.profile_task} task, not "
-                             f"{family.name}; ask for a number of samples")
+            measured = ", ".join(self.controllers) or "none"
+            raise ValueError(f"mode: the controller needs a calibration profile for the {family.name} task (thinkpool "
+                             f"calibrate --task {family.name}); this deployment has profiles for: {measured}")
+        if controller is not None and controller.profile.signal == "k" and family.difficulty(prompt) is None:
+            controller = None  # a k profile plans only tasks whose family reads k off the prompt
         if request.cr is not None and request.cr not in self.ratios:
             raise ValueError(f"cr: no DMS adapter for {request.cr:g}x; this worker serves {', '.join(f'{r:g}' for r in self.ratios)}")
         if request.kv_budget and request.kv_budget > self.info["kv_budget_bytes"]:
@@ -105,7 +122,7 @@ class SolveService:
         ratios = self.ratios if use_controller else [request.cr or 1.0]  # the controller may pick any ratio
         context = self.info.get("context_length")
         if use_controller:
-            limit = self.profile.max_new_tokens
+            limit = controller.profile.max_new_tokens
         elif request.max_tokens is None and context and len(prompt_ids) < context:
             limit = min(limit, context - len(prompt_ids))  # the default limit: what the context leaves room for
         self._check_context(len(prompt_ids), limit, "the calibration profile's" if use_controller else None)
@@ -142,9 +159,12 @@ class SolveService:
         started = time.perf_counter()
         try:
             if prepared.use_controller:
+                family = prepared.family
                 budget = Budget(prepared.kv_budget, max_threads=request.max_threads)
-                state = await self.controller.solve(task_id, prepared.prompt, prepared.prompt_ids, budget,
-                                                    seed=request.seed, on_event=on_event)
+                state = await self.controllers[family.name].solve(
+                    task_id, prepared.prompt, prepared.prompt_ids, budget, seed=request.seed, on_event=on_event,
+                    difficulty=family.difficulty(prepared.prompt), task_family=family.name,
+                    answer_pattern=getattr(family, "answer_pattern", None), stop_strings=tuple(family.stop_strings))
                 threads = [ThreadResult(**t) for t in state["threads"]]
                 cr, answer, votes = state["cr"], state["answer"], state["votes"]
                 reason, rounds = state["stop_reason"], state["rounds"]
@@ -203,12 +223,12 @@ class SolveService:
     async def cancel(self, job_id: str) -> int:
         """Stop every thread of a job's task on its worker and free its KV now; a controller task ends at its
         next decision, dispatching nothing more."""
-        if self.controller is not None:
-            self.controller.cancel(job_id)
+        for controller in self.controllers.values():
+            controller.cancel(job_id)
         return await self.pool.cancel(job_id)
 
 
-def service_factory(model_dir, kv_budget: int | None, workers: int, profile_path: str | Path | None = DEFAULT_PROFILE):
+def service_factory(model_dir, kv_budget: int | None, workers: int, profiles: list[str | Path] | None = None):
     """Builds the SolveService when the API starts (workers load then, not when the module is imported)."""
     def build() -> SolveService:
         from dms_runtime.loading import check_model_dir, load_tokenizer
@@ -217,6 +237,6 @@ def service_factory(model_dir, kv_budget: int | None, workers: int, profile_path
         check_model_dir(model_dir)  # a clear error before any worker starts
         tokenizer = load_tokenizer(model_dir)
         pool = make_pool(model_dir, kv_budget, workers)
-        return SolveService(pool, tokenizer, profile_path)
+        return SolveService(pool, tokenizer, profiles)
 
     return build

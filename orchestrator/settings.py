@@ -12,8 +12,6 @@ from pydantic import BaseModel, ConfigDict, Field
 from dms_runtime.loading import REPO_ROOT
 
 DEFAULTS_FILE = REPO_ROOT / "configs" / "defaults.yaml"
-# The controller's shipped calibration profile (found from any working directory).
-DEFAULT_PROFILE = REPO_ROOT / "configs" / "calibration_chain.json"
 
 
 class SamplingSettings(BaseModel):

@@ -10,12 +10,12 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=docs/results
 DMS=${DMS:-checkpoints/chain-qwen3-dms}
-PROFILE=${PROFILE:-configs/calibration_chain_dms.json}
+PROFILE=${PROFILE:-$DMS/calibration-chain.json}
 TAG=${TAG:-v2}
 BUDGET=${BUDGET:-13.5MB}
 N=${N:-40}
 mkdir -p "$OUT" runs
-.venv/bin/thinkpool calibrate --model "$DMS" --cr 1 2 4 8 --problems "${CAL_PROBLEMS:-16}" --threads 16 \
+.venv/bin/thinkpool calibrate --model "$DMS" --cr 1 2 4 8 --per-bin "${CAL_PROBLEMS:-16}" --threads 16 \
   --max-new-tokens 1200 --workers 0 --output "$PROFILE"
 .venv/bin/thinkpool generate --n "$N" --k 1-20 --seed 5001 --output runs/controller_k1-20.jsonl
 .venv/bin/thinkpool bench controller --problems runs/controller_k1-20.jsonl --model "$DMS" --kv-budget "$BUDGET" \

@@ -54,6 +54,11 @@ class TaskFamily(Protocol):
 
     def validate(self, prompt: object) -> str: ...
 
+    def difficulty(self, prompt: str) -> float | None:
+        """A difficulty read off the prompt (the chain task's k), or None: the controller then reads one from the
+        task's first greedy thread (``policies/planner.py``)."""
+        ...
+
 
 def has_chat_template(tokenizer: Any | None) -> bool:
     return tokenizer is not None and bool(getattr(tokenizer, "chat_template", None))
@@ -109,6 +114,13 @@ class ChainFamily:
             raise ValueError(f"prompt: {error}") from error
         return prompt
 
+    def difficulty(self, prompt: str) -> float | None:
+        """k, the problem's number of assignments."""
+        try:
+            return float(parse_problem(prompt.strip()).k)
+        except ProblemError:
+            return None
+
 
 @dataclass(frozen=True)
 class _FreeText:
@@ -148,6 +160,9 @@ class _FreeText:
 
     def validate(self, prompt: object) -> str:
         return _require_text(prompt, self.max_prompt_chars)
+
+    def difficulty(self, prompt: str) -> float | None:
+        return None  # nothing in free text says how hard it is: the first greedy thread will
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Iterable
 
 from tasks.chain import ProblemError, parse_problem
-from tasks.families import get_family
+from tasks.families import TaskFamily, get_family
 
 
 class ProblemFileError(ValueError):
@@ -80,6 +80,11 @@ def _check_row(record: dict, task: str, where: str) -> None:
     except ValueError as error:
         field, _, message = str(error).partition(": ")
         raise ProblemFileError(f"{where}: field '{field}': {message}") from None
+
+
+def row_family(record: dict, default_task: str = "chain") -> TaskFamily:
+    """The task family of one problem row: its own ``task`` (and ``answer_pattern``), else ``default_task``."""
+    return get_family(record.get("task", default_task), answer_pattern=record.get("answer_pattern"))
 
 
 def read_jsonl(path: str | Path) -> list[dict]:

@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from orchestrator.settings import DEFAULT_PROFILE
+from dms_runtime.loading import default_model_path
 from policies.planner import CalibrationProfile
 
 
@@ -129,7 +129,7 @@ def test_bench_controller_compares_against_fixed_configurations(easy_file, tmp_p
     assert fixed_one["samples_per_problem"] == 1 and fixed_two["samples_per_problem"] == 2
     assert fixed_two["tokens_generated"] > fixed_one["tokens_generated"]
     assert controller["n"] == 3 and sum(controller["threads_chosen"].values()) == 3
-    shipped_temperatures = {f"{t:g}" for t in CalibrationProfile.load(DEFAULT_PROFILE).temperatures()}
+    shipped_temperatures = {f"{t:g}" for t in CalibrationProfile.for_model(default_model_path())["chain"].temperatures()}
     assert sum(controller["temperatures_chosen"].values()) == 3  # one plan per problem, at a calibrated temperature
     assert set(controller["temperatures_chosen"]) <= shipped_temperatures
     assert controller["config"]["temperature"] is None  # planned per task, not fixed
@@ -158,7 +158,7 @@ def test_calibrate_writes_a_profile_with_votes_per_temperature_and_a_greedy_entr
     from policies.planner import CalibrationProfile
 
     out = tmp_path / "profile.json"
-    done = thinkpool("calibrate", "--bins", "1-2", "3-4", "--cr", "1", "--problems", "2", "--threads", "2",
+    done = thinkpool("calibrate", "--bins", "1-2", "3-4", "--cr", "1", "--per-bin", "2", "--threads", "2",
                      "--temperature", "0.8", "1.5", "--max-new-tokens", "200", "--top-p", "0.9", "--workers", "0",
                      "--output", str(out))
     assert done.returncode == 0, done.stderr

@@ -341,3 +341,67 @@ def test_a_new_tasks_first_round_goes_ahead_of_another_tasks_escalations():
     granted_before = allocator.grants[: allocator.grants.index("late")].count("hard")
     assert granted_before < queued_before  # FIFO would have granted every one of them first
     assert allocator.in_use == 0 and allocator.waiting == 0
+
+
+def confidence_profile() -> CalibrationProfile:
+    """A greedy_confidence profile (any task): a sure greedy thread (lowest token log-probability above -0.3) is
+    right 97% of the time and nothing beats it; an unsure one is right 50%, and 16 sampled threads at 8x vote 80%."""
+    entries = []
+    for (low, high), greedy, votes in (((-9.0, -0.3), 0.5, {1: (0.45, 0.4), 4: (0.6, 0.65), 16: (0.7, 0.8)}),
+                                       ((-0.3, 0.0), 0.97, {1: (0.9, 0.85), 4: (0.95, 0.93), 16: (0.96, 0.95)})):
+        for cr in (1, 8):
+            entries.append(ProfileEntry(low=low, high=high, cr=cr, threads=1, greedy=True, accuracy=greedy,
+                                        tokens_per_thread=300))
+            for n, (at1, at8) in votes.items():
+                entries.append(ProfileEntry(low=low, high=high, cr=cr, threads=n, accuracy=at1 if cr == 1 else at8,
+                                            tokens_per_thread=300))
+    return CalibrationProfile(model="synthetic", task="math", signal="greedy_confidence", signal_cr=1,
+                              max_new_tokens=300, temperature=0.8, problems=200, window=16, entries=entries)
+
+
+def test_a_profile_bins_on_its_signal_and_reads_profiles_written_with_k_bins(tmp_path):
+    p = confidence_profile()
+    assert p.bins() == [(-9.0, -0.3), (-0.3, 0.0)]
+    assert p.bin_of(-0.1) == (-0.3, 0.0) and p.bin_of(-50) == (-9.0, -0.3)  # past either end: the nearest bin
+    assert p.bin_of(-0.3) == (-9.0, -0.3)  # a shared edge: the first bin holding it (calibration bins the same way)
+    assert p.pooled_greedy_accuracy(1) == pytest.approx(0.735)
+    with pytest.raises(ValueError, match="difficulty"):
+        p.entries_for(None)  # no hardest-bin default: a task without its signal is not planned from a bin
+    legacy = {"model": "m", "max_new_tokens": 10, "temperature": 1.0, "entries": [
+        {"k_min": 1, "k_max": 5, "cr": 1, "threads": 1, "accuracy": 0.5, "tokens_per_thread": 10}]}
+    (tmp_path / "calibration-chain.json").write_text(json.dumps(legacy))
+    loaded = CalibrationProfile.for_model(tmp_path)["chain"]
+    assert (loaded.task, loaded.signal, loaded.bins()) == ("chain", "k", [(1.0, 5.0)])
+
+
+MATH = "What is 7 times 6, minus 2?"
+
+
+def confidence_run(min_logprob: float, answer_of=lambda i: "40"):
+    pool = ScriptedPool(answer_of, min_logprob=min_logprob)
+    events = []
+    controller = Controller(pool, confidence_profile(), KV_PER_TOKEN, [1, 8])
+    state = asyncio.run(controller.solve("task", MATH, [5] * 40, Budget(kv_budget_bytes=10**9), task_family="math",
+                                         on_event=lambda name, data: events.append((name, data))))
+    return pool, state, events
+
+
+def test_a_sure_greedy_thread_is_the_whole_plan_of_a_task_without_a_known_difficulty():
+    pool, state, events = confidence_run(min_logprob=-0.05)
+    assert state["stop_reason"] == "planned" and len(state["threads"]) == 1 and state["answer"] == "40"
+    assert events[0] == ("plan", {"event": "plan", "cr": 1, "threads": 1, "greedy": True, "provisional": True,
+                                  "temperature": 0.8, "expected_accuracy": 0.735})
+    replan = dict(events)["replan"]
+    assert replan["greedy"] and replan["signal"] == -0.05 and replan["expected_accuracy"] == 0.97
+    assert pool.requests[0].params.temperature == 0 and pool.requests[0].task_family == "math"
+
+
+def test_an_unsure_greedy_thread_replans_to_the_vote_its_bin_expects_to_pay():
+    pool, state, events = confidence_run(min_logprob=-2.0, answer_of=lambda i: str(i % 3))  # never settles
+    replan = dict(events)["replan"]
+    assert (replan["cr"], replan["threads"], replan["greedy"]) == (8, 16, False)  # the bin's best: 16 threads at 8x
+    assert state["k"] == -2.0 and state["cr"] == 8
+    sampled = [r for r in pool.requests if r.params.temperature > 0]
+    assert sampled and all(r.cr == 8 and r.task_family == "math" for r in sampled)
+    assert pool.requests[0].cr == 1  # the probe thread ran at the profile's signal ratio
+    assert len(state["threads"]) <= 17 and state["stop_reason"] in ("no_expected_gain", "budget", "planned")

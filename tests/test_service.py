@@ -23,7 +23,7 @@ BUDGET = 16_000_000
 def service(tmp_path_factory):
     path = profile(max_new_tokens=1000).save(tmp_path_factory.mktemp("profile") / "profile.json")
     pool = WorkerPool(WorkerConfig(kv_budget_bytes=BUDGET, torch_threads=1), num_workers=1)
-    yield SolveService(pool, AutoTokenizer.from_pretrained(default_model_path(), local_files_only=True), path)
+    yield SolveService(pool, AutoTokenizer.from_pretrained(default_model_path(), local_files_only=True), [path])
     pool.shutdown()
     ray.shutdown()
 

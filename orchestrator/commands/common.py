@@ -16,14 +16,19 @@ def load_model_or_exit(args, parser):
     return model, tokenizer, str(path)
 
 
-def read_problems_or_exit(args, parser) -> list[dict]:
-    """``--problems`` (first ``--limit``), or a one-line usage error naming the field."""
+def read_problems_or_exit(args, parser, task: str = "chain", need_answers: bool = False) -> list[dict]:
+    """``--problems`` (first ``--limit``; rows that name no ``task`` are of ``task``, the model's family), or a
+    one-line usage error naming the field; ``need_answers``: every row must have its answer (scoring needs it)."""
     from tasks.jsonl import ProblemFileError, read_problems
 
     try:
-        return read_problems(args.problems, args.limit)
+        problems = read_problems(args.problems, getattr(args, "limit", None), task=task)
     except ProblemFileError as error:
         parser.error(f"argument --problems: {error}")
+    missing = [p["id"] for p in problems if need_answers and not isinstance(p.get("answer"), str)]
+    if missing:
+        parser.error(f"argument --problems: {len(missing)} rows have no 'answer' to score against (first: {missing[0]})")
+    return problems
 
 
 def check_adapters(ratios, model_dir, parser, option: str) -> None:

@@ -33,10 +33,12 @@ def cmd_eval(args, parser) -> int:
     from tasks.jsonl import write_jsonl
     from evaluation.kv_methods import kv_policy
 
-    problems = read_problems_or_exit(args, parser)
     from dms_runtime.loading import default_model_path
+    from tasks.families import default_family
 
     model_dir = args.model or default_model_path()
+    task = default_family(model_dir)
+    problems = read_problems_or_exit(args, parser, task, need_answers=True)
     methods = eval_methods(args, parser, model_dir)
     if args.press and (args.kv_budget or args.samples == "fit"):
         parser.error("argument --kv-budget: --kv-budget and --samples fit run on the engine; --press runs use the reference loop")
@@ -61,11 +63,14 @@ def cmd_eval(args, parser) -> int:
         check_budget(parser, pool, tokenizer, problems, options, engine_methods)
         for method in engine_methods:
             report = asyncio.run(evaluate_on_pool(problems, pool, tokenizer, options, method.ratio if method.kind == "dms" else 1.0,
-                                                  method.label, fit=fit, sequential=args.kv_budget is not None))
+                                                  method.label, fit=fit, sequential=args.kv_budget is not None,
+                                                  default_task=task))
             records += [{"method": method.label, **r} for r in report.pop("problems")]
             runs.append(report)
         pool.shutdown()
     reference = [m for m in methods if m.kind not in ("vanilla", "dms")]
+    if reference and any(p.get("task", task) != "chain" for p in problems):
+        parser.error("argument --press: the training-free presses run chain problems only")
     if reference:
         model, tokenizer, name = load_model_or_exit(args, parser)
         for method in reference:
@@ -102,18 +107,21 @@ def make_service(args, parser, problems: list[dict], model_dir, pool):
     from orchestrator.schemas import SolveRequest
     from orchestrator.service import SolveService
 
-    if not args.profile.is_file():
+    if args.profile is not None and not args.profile.is_file():
         pool.shutdown()
         parser.error(f"argument --profile: no calibration profile at {args.profile} (run thinkpool calibrate)")
-    service = SolveService(pool, AutoTokenizer.from_pretrained(model_dir, local_files_only=True), args.profile)
-    longest = max((p["prompt"] for p in problems), key=len)
     try:
-        service.check(SolveRequest(prompt=longest, samples="auto", mode="controller", kv_budget=args.kv_budget,
-                                   max_threads=args.max_threads))
+        service = SolveService(pool, AutoTokenizer.from_pretrained(model_dir, local_files_only=True),
+                               [args.profile] if args.profile is not None else None)
+        longest = max(problems, key=lambda p: len(p["prompt"]))
+        service.check(SolveRequest(prompt=longest["prompt"], task=longest.get("task"),
+                                   answer_pattern=longest.get("answer_pattern"), samples="auto", mode="controller",
+                                   kv_budget=args.kv_budget, max_threads=args.max_threads))
     except ValueError as error:
         pool.shutdown()
         field, _, message = str(error).partition(": ")
-        parser.error(f"argument --{field.replace('_', '-')}: {message}")
+        option = {"mode": "profile", "profile": "profile"}.get(field, field)  # no profile for the task: --profile
+        parser.error(f"argument --{option.replace('_', '-')}: {message}")
     return service
 
 
@@ -124,7 +132,7 @@ async def run_controller(problems: list[dict], service, kv_budget: int, max_thre
     report = await evaluate_with_controller(problems, service, kv_budget, max_threads, seed,
                                             progress=lambda line: print(line, file=sys.stderr))
     # temperature: the one fixed for every task, or null when each task's plan chose (see temperatures_chosen).
-    config = {"max_threads": max_threads, "temperature": service.controller.temperature, "seed": seed}
+    config = {"max_threads": max_threads, "temperature": service.controller.temperature if service.controller else None, "seed": seed}
     return {**report, "kv_budget_bytes": kv_budget, "config": config}
 
 
@@ -138,7 +146,8 @@ def eval_controller(args, parser, problems: list[dict], model_dir, options) -> i
     report = asyncio.run(run_controller(problems, service, args.kv_budget, args.max_threads, options.seed))
     pool.shutdown()
     records = report.pop("problems")
-    report["config"] = {"model": str(model_dir), "profile": str(args.profile), **report["config"]}
+    profiles = sorted({str(c.profile.path) for c in service.controllers.values() if c.profile.path is not None})
+    report["config"] = {"model": str(model_dir), "profile": ", ".join(profiles), **report["config"]}
     if args.output:
         from tasks.jsonl import write_jsonl
 
