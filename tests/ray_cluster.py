@@ -51,8 +51,16 @@ def stop_cluster(temp_dir: Path, grace_s: float = 10.0) -> None:
         seen |= set(processes_under(temp_dir))
         signal_all(seen, sig)
         deadline = time.time() + grace_s
-        while time.time() < deadline and any(Path(f"/proc/{pid}").exists() for pid in seen):
+        while time.time() < deadline and any(running(pid) for pid in seen):
             time.sleep(0.2)
+
+
+def running(pid: int) -> bool:
+    """Whether ``pid`` is a live process (an exited one its parent has not reaped yet is not)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
 
 
 def kill_node(temp_dir: Path) -> list[int]:
