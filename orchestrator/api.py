@@ -254,7 +254,8 @@ def create_app(service_factory, store=None) -> FastAPI:
     async def healthz():
         return {"status": "ok"}
 
-    @app.get("/readyz", responses={503: {"description": "starting, or a worker or its Ray node is down: the body says which"}})
+    @app.get("/readyz", responses={
+        503: {"description": "starting, or a worker or its Ray node is down: the body says which"}})
     async def readyz():
         """Ready when every worker answers (a ping each, bounded, the answer shared for a second or two)."""
         if "service" not in state:

@@ -106,8 +106,8 @@ def test_readyz_tells_a_dead_node_and_the_api_recovers_without_losing_a_job(clus
             first_node = ready.json()["workers"][0]["node"]
 
             def submit(prompt: str, seed: int) -> str:
-                answer = httpx.post(f"{url}/v1/solve", json={"prompt": prompt, "samples": 3, "async": True, "seed": seed,
-                                                            "max_tokens": 300})
+                body = {"prompt": prompt, "samples": 3, "async": True, "seed": seed, "max_tokens": 300}
+                answer = httpx.post(f"{url}/v1/solve", json=body)
                 assert answer.status_code == 202, answer.text
                 return answer.json()["id"]
 
@@ -180,7 +180,8 @@ def test_a_batch_answers_every_problem_once_when_the_second_node_dies(two_node_p
     async def batch():
         health = await pool.health()
         [doomed] = [h.worker for h in health if h.node != head]
-        runs = [asyncio.create_task(pool.collect(request(p["id"], p["prompt"], 2, seed=i))) for i, p in enumerate(problems)]
+        runs = [asyncio.create_task(pool.collect(request(p["id"], p["prompt"], 2, seed=i)))
+                for i, p in enumerate(problems)]
         await asyncio.wait(runs, return_when=asyncio.FIRST_COMPLETED)
         in_flight = [task for task, worker in pool._pins.items() if worker == doomed]
         kill_node(second)
@@ -193,6 +194,7 @@ def test_a_batch_answers_every_problem_once_when_the_second_node_dies(two_node_p
     assert all(f"threads {task} still owes" in resent for task in in_flight)  # ... and they ran again elsewhere
     for problem, threads in zip(problems, results):  # every problem answered, each thread once
         assert sorted(t.sample for t in threads) == [0, 1] and {t.problem_id for t in threads} == {problem["id"]}
-    assert sum(any(t.answer == p["answer"] for t in threads) for p, threads in zip(problems, results)) >= len(problems) // 2
+    solved = sum(any(t.answer == p["answer"] for t in threads) for p, threads in zip(problems, results))
+    assert solved >= len(problems) // 2
     assert health[doomed].state == "down" and health[doomed].node_alive is False
     assert health[1 - doomed].state == "up"

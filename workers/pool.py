@@ -343,7 +343,8 @@ class WorkerPool(ThreadRunner):
     async def stats(self) -> list[WorkerStats | None]:
         """Each worker's stats (``None`` for one that is down)."""
         up = set(await self._up())
-        return list(await asyncio.gather(*(self._worker_stats(i) if i in up else none() for i in range(len(self.workers)))))
+        return list(await asyncio.gather(*(self._worker_stats(i) if i in up else none()
+                                           for i in range(len(self.workers)))))
 
     async def fit(self, prompt_ids: list[int], params, cr: float) -> int:
         return await self.workers[await self.pick()].fit.remote(prompt_ids, params, cr)

@@ -24,7 +24,8 @@ class WorkerHealth:
     detail: str = ""
 
     def describe(self) -> str:
-        where = "" if self.node is None else f" on Ray node {self.node}" + (" (dead)" if self.node_alive is False else "")
+        where = "" if self.node is None else f" on Ray node {self.node}"
+        where += " (dead)" if self.node_alive is False else ""
         return f"worker {self.worker}{where} is {self.state}" + (f": {self.detail}" if self.detail else "")
 
     def as_dict(self) -> dict:
