@@ -1,5 +1,5 @@
-"""Ray clusters a test starts itself (``ray start``, each node in its own temp dir, on loopback, every port free), and
-stopping only those: ``ray stop`` would stop every cluster on the machine."""
+"""Ray clusters a test starts itself (``ray start``, each node in its own temp dir, every port it opens a free one),
+and stopping only those: ``ray stop`` would stop every cluster on the machine."""
 
 import json
 import os
@@ -79,11 +79,11 @@ def signal_all(pids, sig: int) -> None:
 
 
 def ray_start(temp_dir: Path, *args: str, resources: dict | None = None, num_cpus: float = 1) -> None:
-    """``ray start`` one node in ``temp_dir``, on loopback, every port it opens a free one."""
+    """``ray start`` one node in ``temp_dir``, every port it opens a free one."""
     ports = [f"--{name}={free_port()}" for name in ("node-manager-port", "object-manager-port", "metrics-export-port",
                                                   "dashboard-agent-listen-port", "dashboard-agent-grpc-port",
                                                   "runtime-env-agent-port")]
-    command = [RAY, "start", *args, *ports, "--min-worker-port=0", "--max-worker-port=0", "--node-ip-address=127.0.0.1",
+    command = [RAY, "start", *args, *ports, "--min-worker-port=0", "--max-worker-port=0",
                f"--num-cpus={num_cpus}", f"--resources={json.dumps(resources or {})}", f"--temp-dir={temp_dir}",
                "--disable-usage-stats"]
     started = subprocess.run(command, capture_output=True, text=True, env=ENV, timeout=180, cwd=REPO)
