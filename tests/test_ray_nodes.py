@@ -68,7 +68,7 @@ def cluster(tmp_path_factory):
         yield address
     finally:
         ray.shutdown()
-        stop_cluster(temp, grace_s=3)  # this cluster's processes only, by process id
+        stop_cluster(temp)  # this cluster's processes only, by process id
 
 
 @pytest.fixture(scope="module")
@@ -83,7 +83,7 @@ def two_node_pool(cluster, tmp_path_factory):
         finally:
             pool.shutdown()
     finally:
-        stop_cluster(temp, grace_s=3)
+        stop_cluster(temp)
 
 
 def request(name: str, prompt: str, samples: int, seed: int = 0, keep: bool = False) -> ProblemRequest:
@@ -144,7 +144,7 @@ def test_readyz_tells_a_dead_node_and_the_api_recovers_without_losing_a_job(clus
             assert all(job["result"]["answer"] == "7" for job in easy if job["request"]["prompt"] == EASY[0])
     finally:
         for temp in (first, replacement):
-            stop_cluster(temp, grace_s=3)
+            stop_cluster(temp)
 
 
 def test_workers_on_two_nodes_take_new_tasks_by_free_kv(two_node_pool):
