@@ -171,6 +171,8 @@ class WorkerPool(ThreadRunner):
             return self._replace(index, worker, error)
         except RayActorError:
             return "unavailable: its actor is restarting, or its node is unreachable"
+        except Exception as error:  # Ray itself in trouble (its GCS unreachable): down, and say why
+            return f"no answer: {type(error).__name__}: {first_line(error)}"
 
     def _replace(self, index: int, dead, error: BaseException) -> str:
         """Worker ``index`` is dead for good: start a new one with the same config, where Ray finds the resources."""
