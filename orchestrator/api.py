@@ -254,11 +254,18 @@ def create_app(service_factory, store=None) -> FastAPI:
     async def healthz():
         return {"status": "ok"}
 
-    @app.get("/readyz")
+    @app.get("/readyz", responses={
+        503: {"description": "starting, or a worker or its Ray node is down: the body says which"}})
     async def readyz():
+        """Ready when every worker answers (a ping each, bounded, the answer shared for a second or two)."""
         if "service" not in state:
             return JSONResponse(status_code=503, content={"status": "starting"})
-        return {"status": "ready", "workers": state["service"].info["workers"]}
+        workers = await state["service"].pool.health()
+        down = [w for w in workers if w.state != "up"]
+        body = {"status": "unavailable" if down else "ready", "workers": [w.as_dict() for w in workers]}
+        if down:
+            return JSONResponse(status_code=503, content=body | {"detail": "; ".join(w.describe() for w in down)})
+        return body
 
     @app.get("/metrics", dependencies=[Depends(authorized)])
     async def metrics():

@@ -131,6 +131,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--port", type=bounded(int, 1, 65535), default=8000)
     serve.add_argument("--workers", type=bounded(int, 0, 64), default=1, help="Ray worker actors (0: in this process)")
     serve.add_argument("--kv-budget", type=byte_size, default=None, help="each worker's KV pool size")
+    serve.add_argument("--allow-anonymous", action="store_true",
+                       help="serve on a non-loopback --host without THINKPOOL_API_KEYS (anyone who reaches it may use it)")
     add_model(serve)
 
     from orchestrator.batch import add_arguments as add_batch_arguments

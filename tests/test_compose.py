@@ -150,3 +150,9 @@ def test_the_dockerfile_selects_torch_by_device_and_uses_only_declared_arguments
     assert "cuda)" in run and "torch.version.cuda" in run  # the build checks that torch matches DEVICE
     for service in compose["services"].values():
         assert set(service.get("build", {}).get("args", {})) <= declared
+
+
+def test_every_long_running_service_comes_back_after_a_crash(compose):
+    services = compose["services"]
+    assert {name for name, service in services.items() if service.get("restart") == "unless-stopped"} == \
+        {"redis", "ray-head", "ray-gpu-worker", "api"}  # not the one-off solve

@@ -1,5 +1,6 @@
 """ModelWorker actors on a real local Ray cluster: concurrency, a pool never overrun under a burst,
-cancel frees memory, and an actor killed mid-run loses and duplicates no thread."""
+cancel frees memory, an actor killed mid-run loses and duplicates no thread, and one killed for good is
+replaced (reported down until the new one answers)."""
 
 import asyncio
 
@@ -142,3 +143,23 @@ def test_the_event_loop_keeps_running_while_a_submit_waits_for_the_engine():
     assert ticks == 20
     assert result.answer == "15"
     assert stats.pool_used_bytes == 0 and stats.running == 0 and stats.waiting == 0
+
+
+def test_a_worker_killed_for_good_is_replaced_and_reported_down_until_it_is_back(pool):
+    async def scenario():
+        dead = pool.workers[0]
+        ray.kill(dead, no_restart=True)  # Ray will not bring this one back: the pool must
+        seen = []
+        for _ in range(600):
+            health = await pool.health()
+            seen.append(health[0])
+            if health[0].state == "up" and pool.workers[0] is not dead:
+                break
+            await asyncio.sleep(0.2)
+        return dead, seen, await pool.collect(request("after-replacement", EASY[1], 2)), pool.workers[0]
+
+    replaced_before = pool.replaced
+    dead, seen, results, now = asyncio.run(scenario())
+    assert any(h.state == "down" and "replaced" in h.detail for h in seen)
+    assert seen[-1].state == "up" and now is not dead and pool.replaced == replaced_before + 1
+    assert sorted(t.sample for t in results) == [0, 1]

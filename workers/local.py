@@ -9,7 +9,7 @@ from typing import AsyncIterator
 
 from workers.records import ThreadResult
 from workers.thread import SamplingParams
-from workers.runner import ThreadRunner
+from workers.runner import ThreadRunner, WorkerHealth
 from workers.worker import ModelWorker, ProblemRequest, WorkerConfig, WorkerStats
 
 
@@ -33,6 +33,9 @@ class LocalPool(ThreadRunner):
 
     async def stats(self) -> list[WorkerStats | None]:
         return [await self.worker.stats()]
+
+    async def health(self) -> list[WorkerHealth]:
+        return [WorkerHealth(0, "up")]  # in this process: up while the process is
 
     async def fit(self, prompt_ids: list[int], params: SamplingParams, cr: float) -> int:
         return await self.worker.fit(prompt_ids, params, cr)

@@ -1,18 +1,44 @@
-"""What every way of running threads offers on top of ``run``: collect them all, or block until done."""
+"""What every way of running threads offers on top of ``run``: collect them all, or block until done; and the
+shape of a worker's health report."""
 
 from __future__ import annotations
 
 import asyncio
-from typing import AsyncIterator
+from dataclasses import asdict, dataclass
+from typing import AsyncIterator, Literal
 
 from workers.records import ThreadResult
 from workers.worker import ProblemRequest
+
+
+@dataclass(frozen=True)
+class WorkerHealth:
+    """One worker as the last health check saw it: ``up`` (it answered a ping in time) or ``down`` (its process
+    or its Ray node died, it is being restarted, or it did not answer), with the Ray node it runs or last ran on
+    (``None`` in-process) and whether Ray still counts that node alive."""
+
+    worker: int
+    state: Literal["up", "down"]
+    node: str | None = None
+    node_alive: bool | None = None
+    detail: str = ""
+
+    def describe(self) -> str:
+        where = "" if self.node is None else f" on Ray node {self.node}"
+        where += " (dead)" if self.node_alive is False else ""
+        return f"worker {self.worker}{where} is {self.state}" + (f": {self.detail}" if self.detail else "")
+
+    def as_dict(self) -> dict:
+        return asdict(self)
 
 
 class ThreadRunner:
     """Base of ``LocalPool`` and ``WorkerPool``: subclasses stream results from ``run``."""
 
     def run(self, request: ProblemRequest, worker=None) -> AsyncIterator[ThreadResult]:
+        raise NotImplementedError
+
+    async def health(self) -> list[WorkerHealth]:
         raise NotImplementedError
 
     async def collect(self, request: ProblemRequest, on_result=None) -> list[ThreadResult]:
