@@ -11,6 +11,17 @@ from tasks.families import FAMILIES, MAX_PROMPT_CHARS
 from workers.records import ThreadResult
 
 MAX_SAMPLES = 256
+MAX_STOP_STRINGS = 4  # OpenAI's limit
+MAX_TOP_LOGPROBS = 20  # OpenAI's limit
+MAX_DEADLINE_S = 24 * 3600
+
+
+class ChatTurn(BaseModel):
+    """One message of a chat (``messages``): the model's chat template turns the chat into model input."""
+
+    model_config = ConfigDict(extra="forbid")
+    role: Literal["system", "user", "assistant"]
+    content: str = Field(max_length=MAX_PROMPT_CHARS)
 
 
 class SolveRequest(BaseModel):
@@ -34,6 +45,28 @@ class SolveRequest(BaseModel):
         None, description="controller: it picks ratio and threads; fixed: exactly `samples` threads (default: "
                           "controller when samples is 'auto')")
     run_async: bool = Field(False, alias="async", description="answer 202 with a job id at once")
+    messages: list[ChatTurn] | None = Field(
+        None, min_length=1, max_length=256,
+        description="a chat, through the model's chat template as it is (default: the prompt as the task family "
+                    "formats it); `prompt` is then the problem the answer belongs to (its last user message)")
+    stop: list[str] | None = Field(None, max_length=MAX_STOP_STRINGS,
+                                   description=f"up to {MAX_STOP_STRINGS} strings that end a thread (fixed samples)")
+    top_p: float | None = Field(None, gt=0, le=1, description="nucleus sampling (default: the model's, else 1)")
+    greedy: bool | None = Field(None, description="true: every thread takes the most likely token; false: every "
+                                                  "thread samples (default: one thread is greedy, more sample)")
+    logprobs: bool = Field(False, description="threads report their token ids and each token's log-probability")
+    top_logprobs: int = Field(0, ge=0, le=MAX_TOP_LOGPROBS,
+                              description="and the most likely tokens at each position (fixed samples)")
+    deadline_s: float | None = Field(None, gt=0, le=MAX_DEADLINE_S,
+                                     description="seconds from acceptance after which the work is stopped and the job "
+                                                 "is timed_out")
+
+    @field_validator("stop")
+    @classmethod
+    def _stop_strings(cls, value: list[str] | None) -> list[str] | None:
+        if value is not None and not all(0 < len(s) <= 200 for s in value):
+            raise ValueError("each stop string must have 1 to 200 characters")
+        return value or None
 
     @field_validator("samples")
     @classmethod
@@ -85,7 +118,7 @@ class SolveResult(BaseModel):
     rounds: list[dict] = Field(default_factory=list, description="the controller's plan, rounds and escalations")
 
 
-JobState = Literal["queued", "running", "done", "failed", "cancelled"]
+JobState = Literal["queued", "running", "done", "failed", "cancelled", "timed_out"]
 
 
 class Job(BaseModel):
@@ -96,3 +129,4 @@ class Job(BaseModel):
     error: str | None = None
     created_s: float
     updated_s: float
+    owner: str | None = Field(None, description="the API key's id (a hash) that created the job; only it sees it")

@@ -19,9 +19,10 @@ from typing import AsyncIterator
 
 import ray
 import torch
+from ray._private import ray_constants
 from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
 
-from workers.records import ThreadResult
+from workers.records import ThreadResult, TokenProgress
 from workers.runner import ThreadRunner
 from workers.worker import ModelWorker, ProblemRequest, WorkerConfig, WorkerStats
 
@@ -29,7 +30,7 @@ WORKER_LOST = (RayActorError, ActorDiedError, ActorUnavailableError)
 
 
 def ensure_ray(address: str | None = None, num_cpus: int | None = None) -> None:
-    """Connect to ``address`` / ``$RAY_ADDRESS``, or start a local Ray instance in-process."""
+    """Connect to ``address`` / ``$RAY_ADDRESS``, or start a local Ray instance in-process, on loopback only."""
     if ray.is_initialized():
         return
     address = address or os.environ.get("RAY_ADDRESS")
@@ -39,7 +40,16 @@ def ensure_ray(address: str | None = None, num_cpus: int | None = None) -> None:
         # Ray renices its workers by default; next to any other busy process a reniced model worker
         # starves (a 25x slower actor was measured here), so local workers run at normal priority.
         os.environ.setdefault("RAY_worker_niceness", "0")
-        ray.init(num_cpus=num_cpus or os.cpu_count(), include_dashboard=False, log_to_driver=False)
+        # This instance is this process's alone: node address 127.0.0.1 binds every Ray port (GCS, raylet, object
+        # manager, workers, agents) to loopback. Ray turns "127.0.0.1" into the machine's outward address while its
+        # cluster mode is on (the default on Linux), so it is off while this node starts.
+        cluster_mode = ray_constants.ENABLE_RAY_CLUSTER
+        ray_constants.ENABLE_RAY_CLUSTER = False
+        try:
+            ray.init(num_cpus=num_cpus or os.cpu_count(), include_dashboard=False, log_to_driver=False,
+                     _node_ip_address="127.0.0.1")
+        finally:
+            ray_constants.ENABLE_RAY_CLUSTER = cluster_mode
 
 
 class WorkerPool(ThreadRunner):
@@ -83,8 +93,9 @@ class WorkerPool(ThreadRunner):
         return self._pins[task_id]
 
     # -- requests ------------------------------------------------------------------------------------
-    async def run(self, request: ProblemRequest, worker=None) -> AsyncIterator[ThreadResult]:
-        """Each thread's result as it finishes, exactly once, surviving worker deaths."""
+    async def run(self, request: ProblemRequest, worker=None) -> AsyncIterator[ThreadResult | TokenProgress]:
+        """Each thread's result as it finishes, exactly once, surviving worker deaths (and, when the request streams
+        its tokens, the progress of the threads still owed)."""
         owed = set(request.samples)
         attempt = 0
         task = request.task
@@ -98,7 +109,12 @@ class WorkerPool(ThreadRunner):
             self._outstanding[index] += sent
             try:
                 async for ref in target.run.remote(replace(request, request_id=sub_id, task_id=task, samples=tuple(sorted(owed)))):
-                    result: ThreadResult = await ref
+                    result: ThreadResult | TokenProgress = await ref
+                    if isinstance(result, TokenProgress):
+                        threads = tuple(t for t in result.threads if t.sample in owed)
+                        if threads:
+                            yield replace(result, problem_id=request.request_id, threads=threads)
+                        continue
                     if result.sample in owed:
                         owed.discard(result.sample)
                         self._outstanding[index] -= 1
