@@ -9,6 +9,7 @@ by path, so a 401, 404, 413 or 429 raised anywhere comes out right.
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 from fastapi import Request
@@ -16,6 +17,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.routing import Match, Route
 
 OPENAI_PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/models")
 OPENAI_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
@@ -79,14 +81,33 @@ def error_response(path: str, status: int, message: str, headers: dict[str, str]
     return JSONResponse(status_code=status, content={"detail": message}, headers=headers)
 
 
+# How pydantic names the branch of a union (``stop.list[constrained-str]``) in an error's path: not a field.
+UNION_BRANCH = re.compile(r"^(?:str|int|float|bool|list|dict|none|[\w-]+\[.*\]|constrained-\w+|function-\w+.*)$")
+TYPE_MISMATCH = ("literal_error", "none_required", "is_instance_of", "model_type", "model_attributes_type")
+
+
 def _issues(error: RequestValidationError) -> list[dict[str, Any]]:
-    return [{"loc": [str(part) if not isinstance(part, int) else part for part in e["loc"]], "msg": e["msg"],
-             "type": e["type"]} for e in error.errors()]
+    """pydantic's errors as ``{loc, msg, type}``, their paths naming fields only; for a field that may be one of
+    several types (a union), the errors of the type the value has come first."""
+    issues = [{"loc": [p for p in e["loc"] if isinstance(p, int) or not UNION_BRANCH.match(str(p))], "msg": e["msg"],
+               "type": e["type"]} for e in error.errors()]
+    return sorted(issues, key=lambda e: e["type"].endswith("_type") or e["type"] in TYPE_MISMATCH)
 
 
 async def on_http_error(request: Request, error: StarletteHTTPException) -> JSONResponse:
     detail = error.detail if isinstance(error.detail, str) else str(error.detail)
-    return error_response(request.url.path, error.status_code, detail, dict(error.headers or {}))
+    headers = dict(error.headers or {})
+    if error.status_code == 405:  # Allow: every method of the path (its routes each know only their own)
+        headers["Allow"] = ", ".join(allowed_methods(request))
+    return error_response(request.url.path, error.status_code, detail, headers)
+
+
+def allowed_methods(request: Request) -> list[str]:
+    methods = set()
+    for route in request.app.router.routes:
+        if isinstance(route, Route) and route.matches(request.scope)[0] != Match.NONE:
+            methods |= set(route.methods or ()) - {"HEAD"}
+    return sorted(methods)
 
 
 async def on_validation_error(request: Request, error: RequestValidationError) -> JSONResponse:

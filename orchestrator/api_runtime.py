@@ -55,7 +55,8 @@ class ApiMetrics:
     """The Prometheus registry of one app: request latency, and the workers' pool and engine figures."""
 
     GAUGES = {
-        "pool_bytes": "KV pool size (bytes)", "pool_used_bytes": "KV bytes in use", "pool_peak_bytes": "KV high-water mark",
+        "pool_bytes": "KV pool size (bytes)", "pool_used_bytes": "KV bytes in use",
+        "pool_peak_bytes": "KV high-water mark",
         "threads_running": "threads decoding", "threads_waiting": "threads queued",
         "tokens_per_s": "engine tokens per second", "realized_cr": "mean realized compression of recent threads",
         "engine_busy_seconds": "time the engines spent stepping, all workers",
@@ -63,7 +64,8 @@ class ApiMetrics:
 
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
-        self.latency = Histogram("thinkpool_request_seconds", "solve request latency", ["route"], registry=self.registry)
+        self.latency = Histogram("thinkpool_request_seconds", "solve request latency", ["route"],
+                                 registry=self.registry)
         self.gauges = {name: Gauge(f"thinkpool_{name}", help_, registry=self.registry)
                        for name, help_ in self.GAUGES.items()}
 

@@ -121,8 +121,9 @@ class ChoiceText:
     def _entry(self, index: int) -> TokenEntry:
         decode = self.fmt.tokenizer.decode
         top = self.tops[index] if index < len(self.tops) else ()
-        return TokenEntry(decode([self.ids[index]]), self.logprobs[index],
-                          tuple((decode([token]), logprob) for token, logprob in top[: self.fmt.top_logprobs]))
+        return TokenEntry(decode([self.ids[index]], skip_special_tokens=True), self.logprobs[index],
+                          tuple((decode([token], skip_special_tokens=True), logprob)
+                                for token, logprob in top[: self.fmt.top_logprobs]))
 
 
 def _extend(told: str, target: str) -> tuple[str, str]:

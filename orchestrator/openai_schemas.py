@@ -12,22 +12,24 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, WithJsonSchema, field_validator, model_validator
 
-from orchestrator.schemas import MAX_DEADLINE_S, MAX_SAMPLES, MAX_STOP_STRINGS, MAX_TOP_LOGPROBS
+from orchestrator.schemas import (MAX_DEADLINE_S, MAX_SAMPLES, MAX_STOP_STRINGS, MAX_TOP_LOGPROBS, SAMPLES_SCHEMA,
+                                  JsonBody, StopString)
 from tasks.families import FAMILIES, MAX_PROMPT_CHARS
 
 MAX_TOKENS = 8192
+OPTIONAL_SAMPLES = {"anyOf": [*SAMPLES_SCHEMA["anyOf"], {"type": "null"}]}
 MAX_LEGACY_LOGPROBS = 5  # OpenAI's limit for /v1/completions
 
 
-class ContentPart(BaseModel):
+class ContentPart(JsonBody):
     model_config = ConfigDict(extra="forbid")
     type: Literal["text"]
     text: str = Field(max_length=MAX_PROMPT_CHARS)
 
 
-class ChatMessage(BaseModel):
+class ChatMessage(JsonBody):
     """A message of the chat: text, or text parts (``developer`` is read as ``system``)."""
 
     model_config = ConfigDict(extra="forbid")
@@ -41,15 +43,15 @@ class ChatMessage(BaseModel):
         return self.content if isinstance(self.content, str) else "".join(part.text for part in self.content)
 
 
-class StreamOptions(BaseModel):
+class StreamOptions(JsonBody):
     model_config = ConfigDict(extra="forbid")
     include_usage: bool = False
 
 
-class ThinkpoolOptions(BaseModel):
+class ThinkpoolOptions(JsonBody):
     """thinkpool's knobs (an OpenAI client sends them in ``extra_body``)."""
 
-    samples: int | Literal["auto"] | None = Field(
+    samples: Annotated[int | Literal["auto"] | None, WithJsonSchema(OPTIONAL_SAMPLES)] = Field(
         None, description="threads to run and vote over (at least n; default n), or 'auto' for the controller")
     cr: float | None = Field(None, ge=1, le=64, description="DMS compression ratio")
     kv_budget: int | None = Field(None, gt=0, description="KV bytes the threads may hold at once")
@@ -75,29 +77,16 @@ class _Sampling(ThinkpoolOptions):
     temperature: float | None = Field(None, ge=0, le=2)
     top_p: float | None = Field(None, ge=0, le=1)
     seed: int | None = Field(None, ge=0, lt=2**62)
-    stop: str | list[str] | None = Field(None, description=f"up to {MAX_STOP_STRINGS} strings; the text ends before "
-                                                           "the first")
-    frequency_penalty: float | None = Field(None, ge=-2, le=2, description="accepted at 0 only")
-    presence_penalty: float | None = Field(None, ge=-2, le=2, description="accepted at 0 only")
+    stop: StopString | Annotated[list[StopString], Field(max_length=MAX_STOP_STRINGS)] | None = Field(
+        None, description=f"up to {MAX_STOP_STRINGS} strings; the text ends before the first")
+    frequency_penalty: float | None = Field(None, ge=0, le=0, description="thinkpool applies no penalties: 0 only")
+    presence_penalty: float | None = Field(None, ge=0, le=0, description="thinkpool applies no penalties: 0 only")
     user: str | None = Field(None, max_length=256)
 
     @field_validator("stop")
     @classmethod
-    def _stop_strings(cls, value):
-        stops = [value] if isinstance(value, str) else value
-        if stops is not None:
-            if len(stops) > MAX_STOP_STRINGS:
-                raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings")
-            if not all(0 < len(s) <= 200 for s in stops):
-                raise ValueError("each stop string must have 1 to 200 characters")
-        return stops or None
-
-    @field_validator("frequency_penalty", "presence_penalty")
-    @classmethod
-    def _no_penalty(cls, value):
-        if value:
-            raise ValueError("thinkpool applies no penalties: 0 or leave it out")
-        return value
+    def _stop_list(cls, value):
+        return ([value] if isinstance(value, str) else value) or None
 
 
 class ChatCompletionRequest(_Sampling):

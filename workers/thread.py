@@ -153,7 +153,8 @@ class Thread:
         text = tokenizer.decode(self.tokens, skip_special_tokens=True)
         count = len(self.tokens) + (self.finish_reason == "eos")
         mean = self.logprob_sum / count if count else -math.inf
-        details = (tuple(self.tokens), tuple(self.token_logprobs), tuple(self.top_logprobs)) if self.params.logprobs else ()
+        details = ((tuple(self.tokens), tuple(self.token_logprobs), tuple(self.top_logprobs))
+                   if self.params.logprobs else ())
         return ThreadResult(
             self.problem_id, self.sample_index, text, count, self.family.extract(text), mean, realized_cr,
             self.cr, self.finish_reason or "cancelled", self.preemptions, kv_cr, self.logprob_min, *kept, kept_curve,

@@ -27,12 +27,12 @@ def owned(job_id: str, who: Caller, rt: ApiRuntime) -> Job:
     return job
 
 
-@router.get("/v1/jobs/{job_id}")
+@router.get("/v1/jobs/{job_id}", operation_id="getJob")
 async def get_job(job_id: str, who: Caller = Depends(caller), rt: ApiRuntime = Depends(runtime)) -> Job:
     return owned(job_id, who, rt)
 
 
-@router.delete("/v1/jobs/{job_id}")
+@router.delete("/v1/jobs/{job_id}", operation_id="cancelJob")
 async def cancel_job(job_id: str, who: Caller = Depends(caller), rt: ApiRuntime = Depends(runtime)) -> Job:
     """Every thread of the job stops on its worker and frees its KV; the job ends ``cancelled``."""
     owned(job_id, who, rt)
@@ -43,7 +43,7 @@ async def cancel_job(job_id: str, who: Caller = Depends(caller), rt: ApiRuntime 
     return rt.store.get(job_id)
 
 
-@router.get("/v1/jobs/{job_id}/events", response_class=StreamingResponse, responses={200: {
+@router.get("/v1/jobs/{job_id}/events", operation_id="jobEvents", response_class=StreamingResponse, responses={200: {
     "description": "server-sent events (id, event, data): state, plan, round, tokens, thread, escalation, votes, "
                    "done; the stream ends after done",
     "content": {"text/event-stream": {"schema": {"type": "string"}}}}})

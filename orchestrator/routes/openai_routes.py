@@ -229,7 +229,8 @@ CHAT_200 = {200: {"model": ChatCompletion, "description": "the completion; with 
 
 @router.post("/v1/chat/completions", response_model=None,
              responses={**CHAT_200, **responses(404, 422, 500, 504, openai=True)})
-async def chat_completions(body: ChatCompletionRequest, who: Caller = Depends(caller), rt: ApiRuntime = Depends(runtime)):
+async def chat_completions(body: ChatCompletionRequest, who: Caller = Depends(caller),
+                           rt: ApiRuntime = Depends(runtime)):
     try:
         return await _chat(body, who, rt)
     except Refused as refused:

@@ -40,7 +40,9 @@ def check(body: SolveRequest, who: Caller, rt: ApiRuntime) -> JSONResponse | Non
 
 @router.post("/v1/solve", response_model=None, responses={
     200: {"model": SolveResult, "description": "the result (synchronous request)"},
-    202: {"model": Accepted, "description": "accepted (\"async\": true): the job's id and state"},
+    202: {"model": Accepted, "description": "accepted (\"async\": true): the job's id and state",
+          "links": {name: {"operationId": name, "parameters": {"job_id": "$response.body#/id"}}
+                    for name in ("getJob", "jobEvents", "cancelJob")}},
     **responses(400, 401, 413, 422, 429, 500, 504)})
 async def solve(body: SolveRequest, who: Caller = Depends(caller), rt: ApiRuntime = Depends(runtime)):
     refused = check(body, who, rt)
