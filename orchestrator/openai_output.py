@@ -100,22 +100,22 @@ class ChoiceText:
             reasoning, content, growing = "", self.text, "content"
         else:
             thinking_ids = self.ids if start is None else self.ids[: start - 1]
-            reasoning = decode(thinking_ids, skip_special_tokens=True)
-            reasoning = reasoning.strip().removeprefix(THINK_START).strip()
-            content = "" if start is None else decode(self.ids[start:], skip_special_tokens=True).lstrip()
+            reasoning = decode(thinking_ids, skip_special_tokens=True).lstrip().removeprefix(THINK_START)
+            content = "" if start is None else decode(self.ids[start:], skip_special_tokens=True)
             growing = "reasoning" if start is None else "content"
         cut = _first_stop(reasoning, self.fmt.stop)
         if cut is not None:
-            return reasoning[:cut], ""
-        cut = _first_stop(content, self.fmt.stop)
-        if cut is not None:
-            return reasoning, content[:cut]
-        if not final:  # what may still turn out to begin a stop string, or an incomplete character, waits
+            reasoning, content = reasoning[:cut], ""
+        elif (cut := _first_stop(content, self.fmt.stop)) is not None:
+            content = content[:cut]
+        elif not final:  # what may still turn out to begin a stop string, or an incomplete character, waits
             hold = max((len(s) for s in self.fmt.stop), default=1) - 1
             if growing == "reasoning":
                 reasoning = _settled(reasoning, hold)
             else:
                 content = _settled(content, hold)
+        if self.fmt.think_end is not None:  # the whitespace around the tags is the template's, not the reply's
+            reasoning, content = reasoning.strip(), content.lstrip()
         return reasoning, content
 
     def _entry(self, index: int) -> TokenEntry:
@@ -163,4 +163,5 @@ def legacy_logprobs(entries: list[TokenEntry], offset: int, with_top: bool) -> d
         offsets.append(offset)
         offset += len(entry.token)
     return {"tokens": [e.token for e in entries], "token_logprobs": [e.logprob for e in entries],
-            "top_logprobs": [dict(e.top) for e in entries] if with_top else None, "text_offset": offsets}
+            # Two tokens may read the same (special tokens read as ""): the more likely one keeps its place.
+            "top_logprobs": [dict(reversed(e.top)) for e in entries] if with_top else None, "text_offset": offsets}
