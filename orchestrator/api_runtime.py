@@ -6,9 +6,9 @@ requests in flight) are under way; beyond that a request gets 429 with ``Retry-A
 time) instead of waiting without end. A request's ``deadline_s`` counts from its acceptance: past it, its threads
 are stopped (their KV freed) and a job ends ``timed_out``. Each job's events (its state, the controller's plan and
 rounds, its threads' tokens, each finished thread, the vote) are kept for replay with sequence numbers, so a
-reader that joins late, or reconnects with ``Last-Event-ID``, misses nothing; once a job finishes its ``tokens``
-events are dropped (its result holds every thread's text) and the streams of only the most recent finished jobs
-are kept.
+reader that joins late, or reconnects with ``Last-Event-ID``, misses nothing; a minute after a job finishes its
+``tokens`` events are dropped (its result holds every thread's text), and the streams of only the most recent
+finished jobs are kept.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ import asyncio
 import bisect
 import math
 import time
+from collections import deque
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
@@ -27,6 +28,7 @@ from orchestrator.schemas import Job, SolveRequest, SolveResult
 from orchestrator.settings import LimitSettings
 
 KEEP_FINISHED_STREAMS = 256  # finished jobs whose event stream can still be replayed
+COMPACT_AFTER_S = 60.0  # a finished job's tokens events are kept this long for readers still catching up
 RECENT = 100  # solves the Retry-After estimate and the realized-CR gauge look back on
 
 
@@ -95,6 +97,8 @@ class ApiRuntime:
         self.recent_s: list[float] = []
         self.recent_cr: list[float] = []
         self._seq = 0
+        self._stopping: set[asyncio.Task] = set()
+        self._compacting: deque[tuple[float, str]] = deque()  # (when, job id): finished jobs with tokens events
 
     # -- admission -----------------------------------------------------------------------------------
     @property
@@ -160,14 +164,26 @@ class ApiRuntime:
             task.cancel()
         await asyncio.gather(task, return_exceptions=True)
 
+    def stop_soon(self, task_id: str, task: asyncio.Task) -> asyncio.Task:
+        """:meth:`stop` as a task of its own: a reader whose client left is cancelled itself (again at every await,
+        under Starlette), yet its solve must still be stopped."""
+        stopper = asyncio.ensure_future(self.stop(task_id, task))
+        self._stopping.add(stopper)
+        stopper.add_done_callback(self._stopping.discard)
+        return stopper
+
     # -- jobs ----------------------------------------------------------------------------------------
     def publish(self, job_id: str, event: str, data: dict) -> None:
         self._seq += 1
         self.logs.setdefault(job_id, EventLog()).events.append((self._seq, event, data))
         if event == "done":
-            log = self.logs[job_id]
-            log.events = [e for e in log.events if e[1] != "tokens"]  # the result holds the threads' text
+            now = time.monotonic()
             self.finished.append(job_id)
+            self._compacting.append((now, job_id))
+            while self._compacting and self._compacting[0][0] < now - COMPACT_AFTER_S:
+                log = self.logs.get(self._compacting.popleft()[1])
+                if log is not None:  # a reader has had its time: the result holds the threads' text
+                    log.events = [e for e in log.events if e[1] != "tokens"]
             while len(self.finished) > KEEP_FINISHED_STREAMS:
                 self.logs.pop(self.finished.pop(0), None)
 

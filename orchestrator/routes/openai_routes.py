@@ -16,6 +16,7 @@ import os
 import time
 import uuid
 from collections.abc import AsyncIterator
+from contextlib import aclosing
 from pathlib import Path
 from typing import Any
 
@@ -214,7 +215,7 @@ class Streamed:
         finally:
             if getter is not None and not getter.done():
                 getter.cancel()
-            await self.rt.stop(task_id, task)
+            await asyncio.shield(self.rt.stop_soon(task_id, task))
 
 
 def sse(payload: Any) -> str:
@@ -282,20 +283,21 @@ async def _chat_stream(streamed: Streamed, task_id: str, task, body: ChatComplet
         return sse(ChatCompletionChunk(id=completion_id, created=created, model=model, choices=choices, **extra))
 
     yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""}} for i in range(body.n)])
-    async for kind, payload in streamed.events(task_id, task):
-        if kind == "delta":
-            index, reasoning, content, entries, finish = payload
-            delta = {"reasoning_content": reasoning or None, "content": content or None}
-            logprobs = {"content": chat_logprobs(entries)} if body.logprobs and entries else None
-            if reasoning or content or logprobs:
-                yield chunk([{"index": index, "delta": delta, "logprobs": logprobs}])
-            if finish is not None:
-                yield chunk([{"index": index, "delta": {}, "finish_reason": finish}])
-        elif kind == "end":
-            include_usage = body.stream_options is not None and body.stream_options.include_usage
-            yield chunk([], usage=usage(payload) if include_usage else None, thinkpool=vote(payload))
-        else:
-            yield error_event(payload)
+    async with aclosing(streamed.events(task_id, task)) as events:
+        async for kind, payload in events:
+            if kind == "delta":
+                index, reasoning, content, entries, finish = payload
+                delta = {"reasoning_content": reasoning or None, "content": content or None}
+                logprobs = {"content": chat_logprobs(entries)} if body.logprobs and entries else None
+                if reasoning or content or logprobs:
+                    yield chunk([{"index": index, "delta": delta, "logprobs": logprobs}])
+                if finish is not None:
+                    yield chunk([{"index": index, "delta": {}, "finish_reason": finish}])
+            elif kind == "end":
+                include_usage = body.stream_options is not None and body.stream_options.include_usage
+                yield chunk([], usage=usage(payload) if include_usage else None, thinkpool=vote(payload))
+            else:
+                yield error_event(payload)
     yield "data: [DONE]\n\n"
 
 
@@ -355,19 +357,20 @@ async def _completion_stream(streamed: Streamed, task_id: str, task, body: Compl
 
     if body.echo:
         yield chunk([{"index": i, "text": body.prompt} for i in range(body.n)])
-    async for kind, payload in streamed.events(task_id, task):
-        if kind == "delta":
-            index, _, text, entries, finish = payload
-            logprobs = None
-            if body.logprobs is not None and entries:
-                logprobs = legacy_logprobs(entries, offsets[index], (body.logprobs or 0) > 0)
-                offsets[index] += sum(len(e.token) for e in entries)
-            if text or logprobs or finish:
-                yield chunk([{"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}])
-        elif kind == "end":
-            include_usage = body.stream_options is not None and body.stream_options.include_usage
-            yield chunk([], usage=usage(payload) if include_usage else None, thinkpool=vote(payload))
-        else:
-            yield error_event(payload)
+    async with aclosing(streamed.events(task_id, task)) as events:
+        async for kind, payload in events:
+            if kind == "delta":
+                index, _, text, entries, finish = payload
+                logprobs = None
+                if body.logprobs is not None and entries:
+                    logprobs = legacy_logprobs(entries, offsets[index], (body.logprobs or 0) > 0)
+                    offsets[index] += sum(len(e.token) for e in entries)
+                if text or logprobs or finish:
+                    yield chunk([{"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}])
+            elif kind == "end":
+                include_usage = body.stream_options is not None and body.stream_options.include_usage
+                yield chunk([], usage=usage(payload) if include_usage else None, thinkpool=vote(payload))
+            else:
+                yield error_event(payload)
     yield "data: [DONE]\n\n"
 
