@@ -168,7 +168,8 @@ def test_jobs_and_cached_results_belong_to_the_key_that_made_them(server):
     assert again.status_code == 202 and again.json() == {"id": mine, "state": "done"}  # from alice's cache
     theirs = httpx.post(f"{server}/v1/solve", json=body, headers=BOB).json()["id"]
     assert theirs != mine  # bob's request runs: alice's result is not bob's
-    for method, path in [("GET", f"/v1/jobs/{mine}"), ("DELETE", f"/v1/jobs/{mine}"), ("GET", f"/v1/jobs/{mine}/events")]:
+    for method, path in [("GET", f"/v1/jobs/{mine}"), ("DELETE", f"/v1/jobs/{mine}"),
+                         ("GET", f"/v1/jobs/{mine}/events")]:
         assert httpx.request(method, f"{server}{path}", headers=BOB).status_code == 404
     assert final(server, theirs, BOB)["state"] == "done"
 

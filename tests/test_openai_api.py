@@ -83,7 +83,8 @@ def test_a_streamed_chat_adds_up_to_the_same_request_unstreamed_for_every_choice
     options = {"max_tokens": 60, "n": 3, "temperature": 1.2, "seed": 5}
     whole = chat(client, **options)
     texts, finish, chunks = streamed_chat(client, **options, stream_options={"include_usage": True})
-    assert sorted(texts.values()) == sorted((c.message.reasoning_content or "", c.message.content) for c in whole.choices)
+    unstreamed = [(c.message.reasoning_content or "", c.message.content) for c in whole.choices]
+    assert sorted(texts.values()) == sorted(unstreamed)
     assert sorted(finish.items()) == [(0, "stop"), (1, "stop"), (2, "stop")]
     assert chunks[-1].usage == whole.usage and chunks[-1].thinkpool["votes"] == whole.thinkpool["votes"]
     assert {c.id for c in chunks} == {chunks[0].id} and all(c.object == "chat.completion.chunk" for c in chunks)
@@ -115,7 +116,7 @@ def test_logprobs_cover_the_answer_tokens_with_the_most_likely_alternatives(clie
     reply = chat(client, max_tokens=60, temperature=0, logprobs=True, top_logprobs=3)
     choice = reply.choices[0]
     entries = choice.logprobs.content
-    assert "".join(e.token for e in entries).strip() == choice.message.content  # the answer's tokens, not the thinking's
+    assert "".join(e.token for e in entries).strip() == choice.message.content  # the answer's tokens only
     for entry in entries:
         assert entry.logprob <= 0 and len(entry.top_logprobs) == 3 and bytes(entry.bytes).decode() == entry.token
         assert [t.logprob for t in entry.top_logprobs] == sorted((t.logprob for t in entry.top_logprobs), reverse=True)
