@@ -15,5 +15,9 @@ def cmd_serve(args, parser) -> int:
         check_model_dir(model_dir)  # no config, no tokenizer, bad dms_* settings: exit 2 before anything starts
     except ModelLoadError as error:
         parser.error(f"argument --model: {error}")
-    uvicorn.run(create_app(service_factory(model_dir, args.kv_budget, args.workers)), host=args.host, port=args.port)
+    try:
+        app = create_app(service_factory(model_dir, args.kv_budget, args.workers))
+    except ValueError as error:  # THINKPOOL_API_KEYS that do not parse
+        parser.error(str(error))
+    uvicorn.run(app, host=args.host, port=args.port)
     return 0
