@@ -129,11 +129,12 @@ class ApiRuntime:
 
     # -- solving within a deadline -------------------------------------------------------------------
     async def solve(self, request: SolveRequest, task_id: str, accepted_s: float,
-                    on_event: Callable[[str, dict], None] | None = None) -> SolveResult:
+                    on_event: Callable[[str, dict], None] | None = None, stream_tokens: bool = True) -> SolveResult:
         """``service.solve``, stopped at ``request.deadline_s`` after ``accepted_s`` (DeadlineExceeded): its threads
         stop on their worker and free their KV before this returns."""
         started = time.time()
-        work: Awaitable[SolveResult] = self.service.solve(request, job_id=task_id, on_event=on_event)
+        work: Awaitable[SolveResult] = self.service.solve(request, job_id=task_id, on_event=on_event,
+                                                          stream_tokens=stream_tokens)
         if request.deadline_s is None:
             result = await work
         else:
@@ -203,8 +204,9 @@ class ApiRuntime:
         self.store.save(job)
         self.publish(job.id, "state", {"state": "running"})
         try:
+            # A synchronous request's id is told only with its result: nobody can read its tokens as they come.
             result = await self.solve(job.request, job.id, job.created_s,
-                                      lambda name, data: self.publish(job.id, name, data))
+                                      lambda name, data: self.publish(job.id, name, data), job.request.run_async)
             if job.id in self.cancelling:
                 raise asyncio.CancelledError
             job.result, job.state = result, "done"

@@ -147,14 +147,14 @@ class SolveService:
         self.prepare(request)
 
     async def solve(self, request: SolveRequest, job_id: str | None = None, on_event: EventListener | None = None,
-                    verifier: Verifier | None = None) -> SolveResult:
+                    verifier: Verifier | None = None, stream_tokens: bool = True) -> SolveResult:
         """Run one request; ``on_event(name, data)`` hears the running threads' tokens (``tokens`` events, see
         ``orchestrator/token_events.py``), each finished thread and, in controller mode, the plan, rounds and
-        escalations as they happen. ``verifier(problem, answer) -> bool | float`` (the SDK's hook) picks the best of
-        the threads' answers instead of the majority."""
+        escalations as they happen (``stream_tokens=False``: all but the tokens). ``verifier(problem, answer) -> bool
+        | float`` (the SDK's hook) picks the best of the threads' answers instead of the majority."""
         prepared = self.prepare(request, verifier)
         task_id = job_id or uuid.uuid4().hex[:12]
-        tokens = TokenEvents(task_id, self.tokenizer, on_event) if on_event is not None else None
+        tokens = TokenEvents(task_id, self.tokenizer, on_event) if on_event is not None and stream_tokens else None
         started = time.perf_counter()
         try:
             if prepared.use_controller:
