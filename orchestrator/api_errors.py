@@ -130,7 +130,7 @@ def responses(*statuses: int, openai: bool = False) -> dict[int | str, dict[str,
         413: "the body is over the size limit (limits.max_body_bytes), chunked or not",
         422: "invalid request: names the field and its limit",
         429: "rate limit of this key, or the queue is full (retry after Retry-After seconds)",
-        500: "the solve failed (the error says why)",
+        500: "the solve failed, or a store it needs (Redis) did not answer: the message says what",
         504: "deadline_s passed before the work finished",
     }
     entries: dict[int | str, dict[str, Any]] = {}

@@ -35,7 +35,7 @@ async def readyz(request: Request):
 
 @router.get("/metrics", dependencies=[Depends(caller)], response_class=PlainTextResponse, responses={
     200: {"description": "Prometheus text format", "content": {CONTENT_TYPE_LATEST: {"schema": {"type": "string"}}}},
-    **responses(400, 401, 413, 429)})
+    **responses(400, 401, 413, 429, 500)})
 async def metrics(rt: ApiRuntime = Depends(runtime)):
     stats = [s for s in await rt.service.pool.stats() if s is not None]
     return PlainTextResponse(rt.metrics.render(stats, rt.recent_cr, rt.active), media_type=CONTENT_TYPE_LATEST)

@@ -16,7 +16,7 @@ from orchestrator.jobs import FINAL
 from orchestrator.routes.route_deps import caller, runtime
 from orchestrator.schemas import Job
 
-router = APIRouter(tags=["jobs"], responses=responses(400, 401, 404, 413, 429))
+router = APIRouter(tags=["jobs"], responses=responses(400, 401, 404, 413, 429, 500))
 POLL_S = 0.1
 
 

@@ -35,7 +35,7 @@ from orchestrator.routes.route_deps import caller, runtime
 from orchestrator.schemas import ChatTurn, SolveRequest, SolveResult
 from workers.records import ThreadResult
 
-router = APIRouter(tags=["openai"], responses=responses(400, 401, 413, 429, openai=True))
+router = APIRouter(tags=["openai"], responses=responses(400, 401, 413, 429, 500, openai=True))
 
 SOLVE_FIELDS = ("samples", "cr", "kv_budget", "task", "answer_pattern", "deadline_s")
 
@@ -229,7 +229,7 @@ CHAT_200 = {200: {"model": ChatCompletion, "description": "the completion; with 
 
 
 @router.post("/v1/chat/completions", response_model=None,
-             responses={**CHAT_200, **responses(404, 422, 500, 504, openai=True)})
+             responses={**CHAT_200, **responses(404, 422, 504, openai=True)})
 async def chat_completions(body: ChatCompletionRequest, who: Caller = Depends(caller),
                            rt: ApiRuntime = Depends(runtime)):
     try:
@@ -308,7 +308,7 @@ COMPLETION_200 = {200: {"model": Completion, "description": "the completion; wit
 
 
 @router.post("/v1/completions", response_model=None,
-             responses={**COMPLETION_200, **responses(404, 422, 500, 504, openai=True)})
+             responses={**COMPLETION_200, **responses(404, 422, 504, openai=True)})
 async def completions(body: CompletionRequest, who: Caller = Depends(caller), rt: ApiRuntime = Depends(runtime)):
     try:
         return await _completion(body, who, rt)
