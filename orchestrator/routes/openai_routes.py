@@ -20,7 +20,7 @@ from contextlib import aclosing
 from pathlib import Path
 from typing import Any
 
-from fastapi import APIRouter, Depends, Request
+from fastapi import APIRouter, Depends
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import ValidationError
 
@@ -179,8 +179,8 @@ def error_event(refused: Refused | Exception) -> str:
 class Streamed:
     """The events of a streaming request's solve, and the choices they build (threads 0..n-1)."""
 
-    def __init__(self, rt: ApiRuntime, request: SolveRequest, fmt: OutputFormat, n: int):
-        self.rt, self.request, self.n = rt, request, n
+    def __init__(self, rt: ApiRuntime, fmt: OutputFormat, n: int):
+        self.rt, self.n = rt, n
         self.queue: asyncio.Queue = asyncio.Queue()
         self.choices = {index: ChoiceText(fmt) for index in range(n)}
 
@@ -257,7 +257,7 @@ async def _chat(body: ChatCompletionRequest, who: Caller, rt: ApiRuntime):
     fmt = OutputFormat(rt.service.tokenizer, end_id if thinking else None, tuple(body.stop or ()), top)
     completion_id, created = f"chatcmpl-{uuid.uuid4().hex[:24]}", int(time.time())
     if body.stream:
-        streamed = Streamed(rt, request, fmt, body.n)
+        streamed = Streamed(rt, fmt, body.n)
         task_id, task = start(rt, request, streamed.on_event)
         return StreamingResponse(_chat_stream(streamed, task_id, task, body, model, completion_id, created),
                                  media_type="text/event-stream")
@@ -329,7 +329,7 @@ async def _completion(body: CompletionRequest, who: Caller, rt: ApiRuntime):
     completion_id, created = f"cmpl-{uuid.uuid4().hex[:24]}", int(time.time())
     echo = body.prompt if body.echo else ""
     if body.stream:
-        streamed = Streamed(rt, request, fmt, body.n)
+        streamed = Streamed(rt, fmt, body.n)
         task_id, task = start(rt, request, streamed.on_event)
         return StreamingResponse(_completion_stream(streamed, task_id, task, body, model, completion_id, created),
                                  media_type="text/event-stream")
