@@ -193,6 +193,7 @@ class ChatCompletionChunk(BaseModel):
     model: str
     choices: list[ChunkChoice]
     usage: Usage | None = None
+    system_fingerprint: str | None = None
     thinkpool: ThinkpoolVote | None = None
 
 

@@ -74,9 +74,11 @@ def test_a_chat_answer_comes_apart_from_its_thinking_with_its_token_counts(clien
     assert 0 < reply.usage.completion_tokens < 60
     assert reply.usage.total_tokens == reply.usage.prompt_tokens + reply.usage.completion_tokens
     assert reply.thinkpool["answer"] == "4" and reply.thinkpool["samples"] == 1  # the extension field
+    assert reply.system_fingerprint.startswith("fp_")  # the weights' fingerprint
     assert [m.id for m in client.models.list().data] == [MODEL]
     assert client.models.retrieve(MODEL).id == MODEL
-    assert chat(client, model=str(model_dir), max_tokens=60, temperature=0).model == MODEL  # named by its path too
+    by_path = chat(client, model=str(model_dir), max_tokens=60, temperature=0)  # the model named by its path
+    assert by_path.model == MODEL and by_path.system_fingerprint == reply.system_fingerprint
 
 
 def test_a_streamed_chat_adds_up_to_the_same_request_unstreamed_for_every_choice(client, server):

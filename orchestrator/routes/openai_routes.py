@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import secrets
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -111,7 +112,9 @@ def solve_request(body: ChatCompletionRequest | CompletionRequest, prompt: str, 
         fields["mode"] = "fixed"
     max_tokens = getattr(body, "max_completion_tokens", None) or body.max_tokens
     try:
-        return SolveRequest(prompt=prompt, messages=messages, max_tokens=max_tokens, seed=body.seed or 0,
+        # No seed: a fresh one, as OpenAI's samples differ from call to call (thinkpool's own default is 0).
+        seed = body.seed if body.seed is not None else secrets.randbelow(2**62)
+        return SolveRequest(prompt=prompt, messages=messages, max_tokens=max_tokens, seed=seed,
                             temperature=body.temperature, top_p=body.top_p or None, greedy=greedy, stop=body.stop,
                             logprobs=logprobs, top_logprobs=top_logprobs, **fields)
     except ValidationError as error:
@@ -140,6 +143,11 @@ def start(rt: ApiRuntime, request: SolveRequest, on_event=None):
         raise Refused(429, str(full), code="queue_full", headers={"Retry-After": str(full.retry_after_s)}) from None
     task_id = f"oai-{uuid.uuid4().hex[:12]}"
     return task_id, rt.start_request(request, task_id, on_event)
+
+
+def fingerprint(rt: ApiRuntime) -> str:
+    """OpenAI's ``system_fingerprint``: the served weights' fingerprint (same seed and fingerprint, same tokens)."""
+    return f"fp_{rt.service.model_id[:16]}"
 
 
 def vote(result: SolveResult) -> ThinkpoolVote:
@@ -259,8 +267,8 @@ async def _chat(body: ChatCompletionRequest, who: Caller, rt: ApiRuntime):
     if body.stream:
         streamed = Streamed(rt, fmt, body.n)
         task_id, task = start(rt, request, streamed.on_event)
-        return StreamingResponse(_chat_stream(streamed, task_id, task, body, model, completion_id, created),
-                                 media_type="text/event-stream")
+        return StreamingResponse(_chat_stream(streamed, task_id, task, body, model, completion_id, created,
+                                              fingerprint(rt)), media_type="text/event-stream")
     task_id, task = start(rt, request)
     with rt.metrics.latency.labels("chat").time():
         result = await finished(task)
@@ -274,13 +282,14 @@ async def _chat(body: ChatCompletionRequest, who: Caller, rt: ApiRuntime):
                         "logprobs": {"content": chat_logprobs(entries)} if body.logprobs else None,
                         "finish_reason": finish_reason(thread.finish_reason)})
     return ChatCompletion(id=completion_id, created=created, model=model, choices=choices, usage=usage(result),
-                          thinkpool=vote(result))
+                          system_fingerprint=fingerprint(rt), thinkpool=vote(result))
 
 
 async def _chat_stream(streamed: Streamed, task_id: str, task, body: ChatCompletionRequest, model: str,
-                       completion_id: str, created: int) -> AsyncIterator[str]:
+                       completion_id: str, created: int, system_fingerprint: str) -> AsyncIterator[str]:
     def chunk(choices: list[dict], **extra) -> str:
-        return sse(ChatCompletionChunk(id=completion_id, created=created, model=model, choices=choices, **extra))
+        return sse(ChatCompletionChunk(id=completion_id, created=created, model=model, choices=choices,
+                                       system_fingerprint=system_fingerprint, **extra))
 
     yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""}} for i in range(body.n)])
     async with aclosing(streamed.events(task_id, task)) as events:
@@ -331,8 +340,8 @@ async def _completion(body: CompletionRequest, who: Caller, rt: ApiRuntime):
     if body.stream:
         streamed = Streamed(rt, fmt, body.n)
         task_id, task = start(rt, request, streamed.on_event)
-        return StreamingResponse(_completion_stream(streamed, task_id, task, body, model, completion_id, created),
-                                 media_type="text/event-stream")
+        return StreamingResponse(_completion_stream(streamed, task_id, task, body, model, completion_id, created,
+                                                    fingerprint(rt)), media_type="text/event-stream")
     task_id, task = start(rt, request)
     with rt.metrics.latency.labels("completions").time():
         result = await finished(task)
@@ -345,15 +354,16 @@ async def _completion(body: CompletionRequest, who: Caller, rt: ApiRuntime):
         choices.append({"index": index, "text": echo + text, "logprobs": logprobs,
                         "finish_reason": finish_reason(thread.finish_reason)})
     return Completion(id=completion_id, created=created, model=model, choices=choices, usage=usage(result),
-                      thinkpool=vote(result))
+                      system_fingerprint=fingerprint(rt), thinkpool=vote(result))
 
 
 async def _completion_stream(streamed: Streamed, task_id: str, task, body: CompletionRequest, model: str,
-                             completion_id: str, created: int) -> AsyncIterator[str]:
+                             completion_id: str, created: int, system_fingerprint: str) -> AsyncIterator[str]:
     offsets = {i: len(body.prompt) if body.echo else 0 for i in range(body.n)}
 
     def chunk(choices: list[dict], **extra) -> str:
-        return sse(Completion(id=completion_id, created=created, model=model, choices=choices, **extra))
+        return sse(Completion(id=completion_id, created=created, model=model, choices=choices,
+                              system_fingerprint=system_fingerprint, **extra))
 
     if body.echo:
         yield chunk([{"index": i, "text": body.prompt} for i in range(body.n)])
