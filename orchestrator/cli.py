@@ -125,7 +125,7 @@ def build_parser() -> argparse.ArgumentParser:
                                 "(thinkpool bench gpu --help)")
     gpu.add_argument("options", nargs=argparse.REMAINDER)
 
-    serve = commands.add_parser("serve", help="the REST service (FastAPI): /v1/solve, jobs, completions, metrics")
+    serve = commands.add_parser("serve", help="the REST service (FastAPI): /v1/solve, jobs, OpenAI chat and completions")
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=bounded(int, 1, 65535), default=8000)
     serve.add_argument("--workers", type=bounded(int, 0, 64), default=1, help="Ray worker actors (0: in this process)")
