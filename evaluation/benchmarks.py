@@ -93,32 +93,50 @@ def bench_throughput(model_dir: str | Path, budget: int, max_new_tokens: int, pr
     return {"kv_budget_bytes": engine.pool.budget_bytes, "max_new_tokens": max_new_tokens, "prompts": prompts, "runs": runs}
 
 
-def bench_overhead(pool, prompt_ids: list[int], samples: int, max_new_tokens: int, repeats: int = 3) -> dict:
+def bench_overhead(pool, prompt_ids: list[int], samples: int, max_new_tokens: int, repeats: int = 3,
+                   stream_tokens: bool = False) -> dict:
     """Wall time of a ``samples``-thread solve through ``pool`` against the engine's own busy time for it.
 
     Both clocks cover the same request in the same run, so the difference is what the path around the
-    engine costs (Ray actor calls, serialization, streaming, asyncio), not machine noise between runs."""
+    engine costs (Ray actor calls, serialization, streaming, asyncio), not machine noise between runs.
+    ``stream_tokens``: each repeat runs twice, the same threads (one seed) without and with their tokens streamed
+    as they decode (with their log-probabilities and 5 alternatives, as an OpenAI stream with logprobs asks),
+    one after the other, and both are reported with the ratio of their wall times."""
     import asyncio
 
     from workers.worker import ProblemRequest
 
-    async def one(index: int) -> tuple[float, float]:
+    async def one(index: int, streamed: bool = False) -> tuple[float, float, int]:
         before = [s for s in await pool.stats() if s is not None]
+        batches: list = []
+        params = SamplingParams(0.8, 1.0, max_new_tokens, index, logprobs=streamed, top_logprobs=5 if streamed else 0)
         started = time.perf_counter()
-        await pool.collect(ProblemRequest(f"overhead-{index}", tuple(prompt_ids), tuple(range(samples)),
-                                          SamplingParams(0.8, 1.0, max_new_tokens, index)))
+        await pool.collect(ProblemRequest(f"overhead-{index}-{streamed}", tuple(prompt_ids), tuple(range(samples)),
+                                          params, stream_tokens=streamed), on_tokens=batches.append)
         wall = time.perf_counter() - started
         after = [s for s in await pool.stats() if s is not None]
-        return wall, sum(a.busy_s for a in after) - sum(b.busy_s for b in before)
+        return wall, sum(a.busy_s for a in after) - sum(b.busy_s for b in before), len(batches)
+
+    def summary(runs: list[tuple[float, float, int]]) -> dict:
+        wall, busy = sum(r[0] for r in runs), sum(r[1] for r in runs)
+        return {"wall_s": round(wall, 3), "engine_busy_s": round(busy, 3),
+                "overhead_fraction": (wall - busy) / busy if busy else None}
 
     async def all_runs():
         await one(-1)  # warm-up: first-call costs are not per-request overhead
-        return [await one(i) for i in range(repeats)]
+        plain, streamed = [], []
+        for i in range(repeats):
+            plain.append(await one(i))
+            if stream_tokens:
+                streamed.append(await one(i, streamed=True))
+        return plain, streamed
 
-    runs = asyncio.run(all_runs())
-    wall, busy = sum(w for w, _ in runs), sum(b for _, b in runs)
-    return {"samples": samples, "repeats": repeats, "wall_s": round(wall, 3), "engine_busy_s": round(busy, 3),
-            "overhead_fraction": (wall - busy) / busy if busy else None}
+    plain, streamed = asyncio.run(all_runs())
+    report = {"samples": samples, "repeats": repeats, **summary(plain)}
+    if stream_tokens:
+        report["streamed"] = summary(streamed) | {"token_batches": sum(r[2] for r in streamed)}
+        report["streamed_wall_ratio"] = round(report["streamed"]["wall_s"] / report["wall_s"], 3)
+    return report
 
 
 async def bench_load(url: str, concurrency: int, requests: int, samples: int = 2, api_key: str | None = None,

@@ -94,6 +94,8 @@ def build_parser() -> argparse.ArgumentParser:
     overhead.add_argument("--repeats", type=bounded(int, 1, 100), default=3)
     overhead.add_argument("--workers", type=bounded(int, 0, 64), default=1, help="Ray worker actors (0: in this process)")
     overhead.add_argument("--url", default=None, help="measure through this running server (REST + its workers)")
+    overhead.add_argument("--stream-tokens", action="store_true",
+                          help="each repeat also with the threads' tokens streamed as they decode; compare")
     overhead.add_argument("--json", action="store_true")
     add_model(overhead)
     versus = bench.add_parser("controller", help="the controller against fixed (ratio, threads) configurations, same problems and pool")
@@ -126,7 +128,7 @@ def build_parser() -> argparse.ArgumentParser:
                                 "(thinkpool bench gpu --help)")
     gpu.add_argument("options", nargs=argparse.REMAINDER)
 
-    serve = commands.add_parser("serve", help="the REST service (FastAPI): /v1/solve, jobs, completions, metrics")
+    serve = commands.add_parser("serve", help="the REST service (FastAPI): /v1/solve, jobs, OpenAI chat and completions")
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=bounded(int, 1, 65535), default=8000)
     serve.add_argument("--workers", type=bounded(int, 0, 64), default=1, help="Ray worker actors (0: in this process)")

@@ -40,6 +40,7 @@ class Client:
 
     # -- sync ----------------------------------------------------------------------------------------
     def _request(self, method: str, path: str, **kwargs) -> httpx.Response:
+        response = None
         for attempt in range(self.retries + 1):
             try:
                 response = httpx.request(method, self.url + path, headers=self.headers, timeout=self.timeout, **kwargs)
@@ -48,8 +49,14 @@ class Client:
             except httpx.TransportError as error:
                 if attempt == self.retries:
                     raise ClientError(f"{self.url} unreachable: {error}") from error
-            time.sleep(self.backoff_s * 2**attempt)
+            if attempt < self.retries:
+                time.sleep(self._wait_s(response, attempt))
         return _checked(response)
+
+    def _wait_s(self, response: httpx.Response | None, attempt: int) -> float:
+        """The server's ``Retry-After`` (a full queue, a rate limit), else exponential backoff."""
+        retry_after = response.headers.get("retry-after", "") if response is not None else ""
+        return float(retry_after) if retry_after.isdigit() else self.backoff_s * 2**attempt
 
     def solve(self, prompt: str, **options) -> SolveResult:
         body = SolveRequest(prompt=prompt, **options).model_dump(by_alias=True, exclude_none=True)
@@ -67,6 +74,7 @@ class Client:
 
     # -- async ---------------------------------------------------------------------------------------
     async def _arequest(self, method: str, path: str, **kwargs) -> httpx.Response:
+        response = None
         async with httpx.AsyncClient(headers=self.headers, timeout=self.timeout) as http:
             for attempt in range(self.retries + 1):
                 try:
@@ -76,7 +84,8 @@ class Client:
                 except httpx.TransportError as error:
                     if attempt == self.retries:
                         raise ClientError(f"{self.url} unreachable: {error}") from error
-                await asyncio.sleep(self.backoff_s * 2**attempt)
+                if attempt < self.retries:
+                    await asyncio.sleep(self._wait_s(response, attempt))
         return _checked(response)
 
     async def asolve(self, prompt: str, **options) -> SolveResult:

@@ -72,6 +72,7 @@ class Budget:
 
 
 EventListener = Callable[[str, dict], None]  # (event name, data)
+TokenListener = Callable[[Any], None]  # hears a task's TokenProgress batches and ThreadResults as they come
 
 
 class SolveState(TypedDict, total=False):
@@ -141,6 +142,7 @@ class Controller:
         self.allocators = allocators  # one per worker, shared by the controllers of tasks that run at once (None: no ranking)
         self._listeners: dict[str, EventListener] = {}  # task id -> who hears its events
         self._running: set[str] = set()  # tasks this controller is running now
+        self._token_listeners: dict[str, TokenListener] = {}  # task id -> who hears its threads' tokens
         self._cancelled: set[str] = set()  # tasks told to stop: their next decision ends them
         # task id -> (its worker's allocator, ratio -> bytes its held prompt holds there)
         self._prompt_grants: dict[str, tuple[ThreadAllocator, dict[float, int]]] = {}
@@ -253,24 +255,29 @@ class Controller:
 
     async def run_chunk(self, chunk: ChunkState) -> dict:
         task_id = chunk["task_id"]
+        tokens = self._token_listeners.get(task_id)
         request = ProblemRequest(
             f"{task_id}:{chunk['samples'][0]}", tuple(chunk["prompt_ids"]), tuple(chunk["samples"]),
             SamplingParams(chunk["temperature"], self.top_p, chunk["max_new_tokens"], chunk["seed"]), chunk["cr"],
             task_id=task_id, keep_task=True, task_family=chunk.get("task_family", "chain"),
             answer_pattern=chunk.get("answer_pattern"), stop_strings=tuple(chunk.get("stop_strings", ())),
+            stream_tokens=tokens is not None,
         )
 
         def thread_done(result) -> None:
+            if tokens is not None:
+                tokens(result)
             self._emit(task_id, "thread", {"sample": result.sample, "answer": result.answer, "tokens": result.tokens,
-                                           "cr": result.cr, "realized_cr": result.realized_cr})
+                                           "cr": result.cr, "realized_cr": result.realized_cr,
+                                           "finish_reason": result.finish_reason})
 
         if self.allocators is None:
-            results = await self.pool.collect(request, thread_done)
+            results = await self.pool.collect(request, thread_done, tokens)
         else:
             allocator = self.allocators[await self.pool.pin(task_id)]
             async with allocator.grant(task_id, chunk["kv_bytes"], chunk["priority"]):
                 self._hold_prompt(allocator, chunk)
-                results = await self.pool.collect(request, thread_done)
+                results = await self.pool.collect(request, thread_done, tokens)
         self._emit(task_id, "chunk", {"samples": chunk["samples"]})
         return {"threads": [asdict(r) for r in results]}
 
@@ -386,18 +393,23 @@ class Controller:
 
     # -- running tasks -------------------------------------------------------------------------------
     async def solve(self, task_id: str, prompt: str, prompt_ids: list[int], budget: Budget, seed: int = 0,
-                    on_event: EventListener | None = None, difficulty: float | None = None, task_family: str = "chain",
-                    answer_pattern: str | None = None, stop_strings: tuple[str, ...] = ()) -> dict[str, Any]:
+                    on_event: EventListener | None = None, on_tokens: TokenListener | None = None,
+                    difficulty: float | None = None, task_family: str = "chain", answer_pattern: str | None = None,
+                    stop_strings: tuple[str, ...] = ()) -> dict[str, Any]:
         """Run (or, if its checkpoint exists and is unfinished, resume) one task; returns its final state.
 
         ``prompt_ids`` is the model input, tokenized once by the caller; ``difficulty`` is the task's value of the
-        profile's signal when the family knows it up front (a ``k`` profile needs it); ``task_family`` (with its
-        ``answer_pattern`` and ``stop_strings``) says how threads stop and which answers are equal;
-        ``on_event(name, data)`` hears the plan, each round, each escalation and each finished thread as they
-        happen. The task's worker-side state (its held prompt) is the caller's to close (``pool.close_task``)."""
+        profile's signal when the family knows it up front (a ``k`` profile reads it off the prompt otherwise);
+        ``task_family`` (with its ``answer_pattern`` and ``stop_strings``) says how threads stop and which answers
+        are equal; ``on_event(name, data)`` hears the plan, each round, each escalation and each finished thread as
+        they happen; ``on_tokens`` the running threads' tokens (``TokenProgress``) and each finished thread
+        (``ThreadResult``). The task's worker-side state (its held prompt) is the caller's to close
+        (``pool.close_task``)."""
         config = {"configurable": {"thread_id": task_id}, "recursion_limit": 200}
         if on_event is not None:
             self._listeners[task_id] = on_event
+        if on_tokens is not None:
+            self._token_listeners[task_id] = on_tokens
         self._running.add(task_id)
         try:
             snapshot = await self.graph.aget_state(config)
@@ -412,6 +424,7 @@ class Controller:
         finally:
             self._running.discard(task_id)
             self._listeners.pop(task_id, None)
+            self._token_listeners.pop(task_id, None)
             self._cancelled.discard(task_id)
             self._release_prompts(task_id)
 

@@ -1,10 +1,12 @@
 """The job store: accepted solve requests and their results, in memory or in Redis (``$REDIS_URL``).
 
 A job is written before it is acknowledged, so a job accepted before a crash is found again by
-``unfinished()`` when the API restarts, and is then run to a final state. Finished results are cached
-by the request's content (problem and configuration, not the ``async`` flag) and the served model's
-identity (its weights' fingerprint): the same request to the same model is answered from the store, and a
-retrained or other model never answers from another's results.
+``unfinished()`` when the API restarts, and is then run to a final state. A job belongs to the API key that
+created it (``owner``, the key's id): only that key sees it. Finished results are cached by the request's
+content (problem and configuration, not the ``async`` flag or the deadline), the owner and the served model's
+identity (its weights' fingerprint): the same request from the same key to the same model is answered from the
+store; another key, or a retrained or other model, never answers from another's results. A finished job (and
+its cache entry) expires ``ttl_s`` after it finished; an unfinished one is kept until it finishes.
 """
 
 from __future__ import annotations
@@ -12,60 +14,82 @@ from __future__ import annotations
 import hashlib
 import os
 import time
+from collections import deque
 
 import redis
 
 from orchestrator.schemas import Job, SolveRequest
 
-FINAL = ("done", "failed", "cancelled")
+FINAL = ("done", "failed", "cancelled", "timed_out")
+DEFAULT_TTL_S = 86400.0
 
 
-def cache_key(request: SolveRequest, model_id: str) -> str:
-    body = request.model_dump_json(exclude={"run_async"})
-    return hashlib.sha256(f"{model_id}\n{body}".encode()).hexdigest()[:24]
+def cache_key(request: SolveRequest, model_id: str, owner: str | None = None) -> str:
+    body = request.model_dump_json(exclude={"run_async", "deadline_s"})
+    return hashlib.sha256(f"{model_id}\n{owner or ''}\n{body}".encode()).hexdigest()[:24]
 
 
 class MemoryJobStore:
-    def __init__(self, model_id: str = ""):
-        self.model_id = model_id
+    def __init__(self, model_id: str = "", ttl_s: float = DEFAULT_TTL_S):
+        self.model_id, self.ttl_s = model_id, ttl_s
         self._jobs: dict[str, Job] = {}
         self._cache: dict[str, str] = {}
+        self._cached_as: dict[str, str] = {}  # job id -> its cache key
+        self._expiring: deque[tuple[float, str]] = deque()  # (when, job id), in the order jobs finished
 
     def save(self, job: Job) -> Job:
+        self._expire()
         job.updated_s = time.time()
         self._jobs[job.id] = job.model_copy(deep=True)
+        if job.state in FINAL:
+            self._expiring.append((job.updated_s + self.ttl_s, job.id))
         if job.state == "done":
-            self._cache[cache_key(job.request, self.model_id)] = job.id
+            key = cache_key(job.request, self.model_id, job.owner)
+            self._cache[key], self._cached_as[job.id] = job.id, key
         return job
 
     def get(self, job_id: str) -> Job | None:
+        self._expire()
         job = self._jobs.get(job_id)
         return job.model_copy(deep=True) if job else None
 
     def unfinished(self) -> list[Job]:
         return [j.model_copy(deep=True) for j in self._jobs.values() if j.state not in FINAL]
 
-    def cached(self, request: SolveRequest) -> Job | None:
-        job_id = self._cache.get(cache_key(request, self.model_id))
+    def cached(self, request: SolveRequest, owner: str | None = None) -> Job | None:
+        job_id = self._cache.get(cache_key(request, self.model_id, owner))
         return self.get(job_id) if job_id else None
+
+    def _expire(self) -> None:
+        now = time.time()
+        while self._expiring and self._expiring[0][0] <= now:
+            _, job_id = self._expiring.popleft()
+            job = self._jobs.get(job_id)
+            if job is not None and job.state in FINAL and job.updated_s + self.ttl_s <= now:
+                del self._jobs[job_id]
+                key = self._cached_as.pop(job_id, None)
+                if key is not None and self._cache.get(key) == job_id:
+                    del self._cache[key]
 
 
 class RedisJobStore:
-    def __init__(self, url: str, prefix: str = "thinkpool:jobs", model_id: str = ""):
+    def __init__(self, url: str, prefix: str = "thinkpool:jobs", model_id: str = "", ttl_s: float = DEFAULT_TTL_S):
         self.client = redis.Redis.from_url(url)
         self.prefix = prefix
-        self.model_id = model_id
+        self.model_id, self.ttl_s = model_id, ttl_s
 
     def save(self, job: Job) -> Job:
         job.updated_s = time.time()
+        final = job.state in FINAL
+        expire_ms = max(1, int(self.ttl_s * 1000)) if final else None
         pipe = self.client.pipeline(transaction=True)
-        pipe.set(f"{self.prefix}:job:{job.id}", job.model_dump_json(by_alias=True))
-        if job.state in FINAL:
+        pipe.set(f"{self.prefix}:job:{job.id}", job.model_dump_json(by_alias=True), px=expire_ms)
+        if final:
             pipe.srem(f"{self.prefix}:unfinished", job.id)
         else:
             pipe.sadd(f"{self.prefix}:unfinished", job.id)
         if job.state == "done":
-            pipe.set(f"{self.prefix}:cache:{cache_key(job.request, self.model_id)}", job.id)
+            pipe.set(f"{self.prefix}:cache:{cache_key(job.request, self.model_id, job.owner)}", job.id, px=expire_ms)
         pipe.execute()
         return job
 
@@ -77,12 +101,13 @@ class RedisJobStore:
         ids = sorted(i.decode() for i in self.client.smembers(f"{self.prefix}:unfinished"))
         return [job for job in (self.get(i) for i in ids) if job is not None]
 
-    def cached(self, request: SolveRequest) -> Job | None:
-        job_id = self.client.get(f"{self.prefix}:cache:{cache_key(request, self.model_id)}")
+    def cached(self, request: SolveRequest, owner: str | None = None) -> Job | None:
+        job_id = self.client.get(f"{self.prefix}:cache:{cache_key(request, self.model_id, owner)}")
         return self.get(job_id.decode()) if job_id else None
 
 
-def make_job_store(model_id: str = ""):
-    """Redis when ``$REDIS_URL`` is set, else in memory; results cached for the model ``model_id``."""
+def make_job_store(model_id: str = "", ttl_s: float = DEFAULT_TTL_S):
+    """Redis when ``$REDIS_URL`` is set, else in memory; results cached for the model ``model_id``; finished jobs
+    kept ``ttl_s`` seconds."""
     url = os.environ.get("REDIS_URL")
-    return RedisJobStore(url, model_id=model_id) if url else MemoryJobStore(model_id)
+    return RedisJobStore(url, model_id=model_id, ttl_s=ttl_s) if url else MemoryJobStore(model_id, ttl_s)

@@ -25,6 +25,7 @@ from orchestrator.allocator import ThreadAllocator
 from orchestrator.controller import Budget, Controller, EventListener
 from orchestrator.schemas import SolveRequest, SolveResult
 from orchestrator.settings import get_settings
+from orchestrator.token_events import TokenEvents
 from policies.planner import CalibrationProfile
 from policies.voting import Verifier, majority_vote, verified_vote
 from tasks.families import TaskFamily, get_family
@@ -88,8 +89,14 @@ class SolveService:
         return self.controllers.get(self.default_task)
 
     def family(self, request: SolveRequest, verifier: Verifier | None = None) -> TaskFamily:
-        """The request's task family (ValueError naming ``task`` or ``answer_pattern``)."""
-        return get_family(request.task or self.default_task, answer_pattern=request.answer_pattern, verifier=verifier)
+        """The request's task family, with the caller's ``stop`` strings beside its own (ValueError naming ``task``
+        or ``answer_pattern``)."""
+        name = request.task or self.default_task
+        family = get_family(name, answer_pattern=request.answer_pattern, verifier=verifier)
+        if request.stop:
+            family = get_family(name, answer_pattern=request.answer_pattern, verifier=verifier,
+                                stop_strings=tuple(family.stop_strings) + tuple(request.stop))
+        return family
 
     @property
     def model_id(self) -> str:
@@ -109,16 +116,23 @@ class SolveService:
                              f"calibrate --task {family.name}); this deployment has profiles for: {measured}")
         if controller is not None and controller.profile.signal == "k" and family.difficulty(prompt) is None:
             controller = None  # a k profile plans only tasks whose family reads k off the prompt
+        use_controller = controller is not None and (
+            request.mode == "controller" or (request.mode is None and request.samples == "auto"))
+        if use_controller:  # the controller decodes its own way: fixed samples for these
+            for name in ("stop", "logprobs", "top_logprobs", "greedy"):
+                if getattr(request, name):
+                    raise ValueError(f"{name}: not with the controller (samples 'auto'); ask for a number of samples")
         if request.cr is not None and request.cr not in self.ratios:
             raise ValueError(f"cr: no DMS adapter for {request.cr:g}x; this worker serves {', '.join(f'{r:g}' for r in self.ratios)}")
         if request.kv_budget and request.kv_budget > self.info["kv_budget_bytes"]:
             raise ValueError(f"kv_budget: at most {self.info['kv_budget_bytes']} bytes (the worker's pool)")
         budget = request.kv_budget or self.info["kv_budget_bytes"]
-        prompt_ids = tuple(family.encode(prompt, self.tokenizer))
+        if request.messages:
+            prompt_ids = tuple(family.encode_chat([m.model_dump() for m in request.messages], self.tokenizer))
+        else:
+            prompt_ids = tuple(family.encode(prompt, self.tokenizer))
         limit = request.max_tokens or self.settings.sampling.max_new_tokens
         # "auto" without a calibration profile (for this task family) falls back to one greedy thread.
-        use_controller = controller is not None and (
-            request.mode == "controller" or (request.mode is None and request.samples == "auto"))
         ratios = self.ratios if use_controller else [request.cr or 1.0]  # the controller may pick any ratio
         context = self.info.get("context_length")
         if use_controller:
@@ -150,12 +164,14 @@ class SolveService:
         self.prepare(request)
 
     async def solve(self, request: SolveRequest, job_id: str | None = None, on_event: EventListener | None = None,
-                    verifier: Verifier | None = None) -> SolveResult:
-        """Run one request; ``on_event(name, data)`` hears each finished thread and, in controller mode, the plan,
-        rounds and escalations as they happen. ``verifier(problem, answer) -> bool | float`` (the SDK's hook) picks
-        the best of the threads' answers instead of the majority."""
+                    verifier: Verifier | None = None, stream_tokens: bool = True) -> SolveResult:
+        """Run one request; ``on_event(name, data)`` hears the running threads' tokens (``tokens`` events, see
+        ``orchestrator/token_events.py``), each finished thread and, in controller mode, the plan, rounds and
+        escalations as they happen (``stream_tokens=False``: all but the tokens). ``verifier(problem, answer) -> bool
+        | float`` (the SDK's hook) picks the best of the threads' answers instead of the majority."""
         prepared = self.prepare(request, verifier)
         task_id = job_id or uuid.uuid4().hex[:12]
+        tokens = TokenEvents(task_id, self.tokenizer, on_event) if on_event is not None and stream_tokens else None
         started = time.perf_counter()
         try:
             if prepared.use_controller:
@@ -163,13 +179,13 @@ class SolveService:
                 budget = Budget(prepared.kv_budget, max_threads=request.max_threads)
                 state = await self.controllers[family.name].solve(
                     task_id, prepared.prompt, prepared.prompt_ids, budget, seed=request.seed, on_event=on_event,
-                    difficulty=family.difficulty(prepared.prompt), task_family=family.name,
+                    on_tokens=tokens, difficulty=family.difficulty(prepared.prompt), task_family=family.name,
                     answer_pattern=getattr(family, "answer_pattern", None), stop_strings=tuple(family.stop_strings))
                 threads = [ThreadResult(**t) for t in state["threads"]]
                 cr, answer, votes = state["cr"], state["answer"], state["votes"]
                 reason, rounds = state["stop_reason"], state["rounds"]
             else:
-                threads = await self._run_fixed(request, prepared, task_id, on_event)
+                threads = await self._run_fixed(request, prepared, task_id, on_event, tokens)
                 vote = self._vote(prepared, threads)
                 cr, answer, votes, reason, rounds = prepared.cr, vote.answer, vote.counts, None, []
         finally:
@@ -192,33 +208,40 @@ class SolveService:
         return majority_vote(answers, [t.mean_logprob for t in threads], key=family.key)
 
     def sampling(self, request: SolveRequest, samples: int, max_tokens: int) -> SamplingParams:
-        """One thread is greedy; sampled threads take the request's temperature, else the model's
-        ``generation_config.json`` (temperature, top_p, top_k, min_p), else the settings."""
+        """One thread is greedy (unless ``greedy`` says otherwise); sampled threads take the request's temperature
+        and top_p, else the model's ``generation_config.json`` (temperature, top_p, top_k, min_p), else the
+        settings. ``logprobs``/``top_logprobs`` ask the threads for their tokens' log-probabilities."""
         model = self.info.get("generation") or {}
         settings = self.settings.sampling
+        details = {"logprobs": request.logprobs or request.top_logprobs > 0, "top_logprobs": request.top_logprobs}
         temperature = request.temperature
         if temperature is None:
             temperature = model["temperature"] if model.get("temperature", 0) > 0 else settings.temperature
-        if samples == 1:
-            return SamplingParams(0.0, settings.top_p, max_tokens, request.seed)
-        return SamplingParams(temperature, float(model.get("top_p", settings.top_p)), max_tokens, request.seed,
-                              int(model.get("top_k", 0)), float(model.get("min_p", 0.0)))
+        greedy = request.greedy if request.greedy is not None else samples == 1
+        if greedy or temperature == 0:
+            return SamplingParams(0.0, settings.top_p, max_tokens, request.seed, **details)
+        top_p = request.top_p if request.top_p is not None else float(model.get("top_p", settings.top_p))
+        return SamplingParams(temperature, top_p, max_tokens, request.seed, int(model.get("top_k", 0)),
+                              float(model.get("min_p", 0.0)), **details)
 
     async def _run_fixed(self, request: SolveRequest, prepared: Prepared, task_id: str,
-                         on_event: EventListener | None) -> list[ThreadResult]:
+                         on_event: EventListener | None, tokens: TokenEvents | None) -> list[ThreadResult]:
         samples = 1 if request.samples == "auto" else request.samples
         params = self.sampling(request, samples, prepared.max_tokens)
 
         def thread_done(result: ThreadResult) -> None:
+            if tokens is not None:
+                tokens(result)  # its last tokens, before the thread event
             if on_event is not None:
                 on_event("thread", {"sample": result.sample, "answer": result.answer, "tokens": result.tokens,
-                                    "cr": result.cr, "realized_cr": result.realized_cr})
+                                    "cr": result.cr, "realized_cr": result.realized_cr,
+                                    "finish_reason": result.finish_reason})
 
         family = prepared.family
         work = ProblemRequest(task_id, prepared.prompt_ids, tuple(range(samples)), params, prepared.cr, task_id=task_id,
                               task_family=family.name, answer_pattern=getattr(family, "answer_pattern", None),
-                              stop_strings=tuple(family.stop_strings))
-        return sorted(await self.pool.collect(work, thread_done), key=lambda t: t.sample)
+                              stop_strings=tuple(family.stop_strings), stream_tokens=tokens is not None)
+        return sorted(await self.pool.collect(work, thread_done, tokens), key=lambda t: t.sample)
 
     async def cancel(self, job_id: str) -> int:
         """Stop every thread of a job's task on its worker and free its KV now; a controller task ends at its

@@ -27,8 +27,16 @@ class GenerationSettings(BaseModel):
 
 
 class LimitSettings(BaseModel):
+    """What the API admits: queued and running work at once (beyond it, 429 with Retry-After), requests per
+    minute per API key (0: no limit; a key's own limit in ``THINKPOOL_API_KEYS`` wins), how long a finished job
+    is kept, and the request body's size."""
+
     model_config = ConfigDict(extra="forbid")
     max_samples: int = Field(256, ge=1)
+    max_active_jobs: int = Field(256, ge=1)
+    requests_per_minute: int = Field(0, ge=0)
+    job_ttl_s: float = Field(86400.0, gt=0)
+    max_body_bytes: int = Field(64 * 1024, ge=1024)
 
 
 class Settings(BaseModel):

@@ -44,6 +44,8 @@ class TaskFamily(Protocol):
 
     def encode(self, problem_text: str, tokenizer: Any) -> list[int]: ...
 
+    def encode_chat(self, messages: list[dict[str, str]], tokenizer: Any) -> list[int]: ...
+
     def should_stop(self, text: str) -> bool: ...
 
     def extract(self, text: str) -> str | None: ...
@@ -76,6 +78,13 @@ def _require_text(prompt: object, limit: int) -> str:
     return prompt
 
 
+def _last_user_message(messages: list[dict[str, str]]) -> str:
+    users = [m["content"] for m in messages if m.get("role") == "user"]
+    if not users:
+        raise ValueError("messages: a chat needs a user message")
+    return users[-1]
+
+
 @dataclass(frozen=True)
 class ChainFamily:
     """Today's chain task, unchanged: its input, its ``#`` stop rule, its numeric answers."""
@@ -91,9 +100,14 @@ class ChainFamily:
     def encode(self, problem_text: str, tokenizer: Any) -> list[int]:
         return tokenizer(self.format_input(problem_text))["input_ids"]
 
+    def encode_chat(self, messages: list[dict[str, str]], tokenizer: Any) -> list[int]:
+        """A chain model has no chat: its input is the last user message, as a problem."""
+        return self.encode(_last_user_message(messages), tokenizer)
+
     def should_stop(self, text: str) -> bool:
-        """After ``#`` and its digits, the first other character ends the thread (``workers/thread.py``'s rule)."""
-        return _CHAIN_STOP.search(text) is not None
+        """After ``#`` and its digits, the first other character ends the thread (``workers/thread.py``'s rule);
+        so does a caller's stop string."""
+        return _CHAIN_STOP.search(text) is not None or any(stop in text for stop in self.stop_strings)
 
     def extract(self, text: str) -> str | None:
         return extract_chain_answer(text)
@@ -149,6 +163,22 @@ class _FreeText:
     def encode(self, problem_text: str, tokenizer: Any) -> list[int]:
         """Token ids of the input; a chat template writes its own special tokens, so none are added."""
         text = self.format_input(problem_text, tokenizer)
+        return tokenizer(text, add_special_tokens=not has_chat_template(tokenizer))["input_ids"]
+
+    def format_chat(self, messages: list[dict[str, str]], tokenizer: Any | None = None) -> str:
+        """A chat (OpenAI's ``messages``) as model input: the messages through the model's chat template as they
+        are (no instruction or system message added), thinking as this family says; without a template, their
+        contents one after another."""
+        if not has_chat_template(tokenizer):
+            return self.raw_template.format(problem="\n\n".join(m["content"] for m in messages))
+        options = {} if self.thinking is None else {"enable_thinking": self.thinking}
+        try:
+            return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False, **options)
+        except Exception as error:  # the template's own checks (roles that must alternate, ...) raise anything
+            raise ValueError(f"messages: the model's chat template refused them ({error})") from error
+
+    def encode_chat(self, messages: list[dict[str, str]], tokenizer: Any) -> list[int]:
+        text = self.format_chat(messages, tokenizer)
         return tokenizer(text, add_special_tokens=not has_chat_template(tokenizer))["input_ids"]
 
     def should_stop(self, text: str) -> bool:
@@ -236,9 +266,7 @@ def get_family(name: str, *, answer_pattern: str | None = None, verifier: Verifi
         changes["verifier"] = verifier
     if thinking is not None and name != "chain":
         changes["thinking"] = thinking
-    if stop_strings:
-        if name == "chain":
-            raise ValueError("stop_strings: the chain task stops after its answer; it takes no stop strings")
+    if stop_strings:  # the chain task stops after its answer anyway; a caller's stop strings may end it sooner
         if not all(isinstance(s, str) and s for s in stop_strings):
             raise ValueError("stop_strings: must be non-empty strings")
         changes["stop_strings"] = tuple(stop_strings)

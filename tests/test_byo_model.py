@@ -228,8 +228,8 @@ def test_only_the_chain_family_stops_at_its_marker_and_every_family_at_every_eos
     ids = tokenizer("Step #1: x</answer> and more", add_special_tokens=False)["input_ids"]
     stopped = next(i for i, token in enumerate(ids) if thread.append(token, 0.0))
     assert thread.finish_reason == "stop" and tokenizer.decode(ids[: stopped + 1]).endswith("</answer>")
-    with pytest.raises(ValueError, match="stop_strings: the chain task"):
-        get_family("chain", stop_strings=["x"])
+    chain_stopping = get_family("chain", stop_strings=[";c="])  # a caller's stop string ends a chain thread too
+    assert chain_stopping.should_stop("a=1;b=2;c=") and not chain_stopping.should_stop("a=1;b=2")
 
 
 def test_top_k_and_min_p_filter_and_leave_other_rows_drawing_as_before():

@@ -141,7 +141,7 @@ class ScriptedPool:
     async def pin(self, task_id):
         return 0
 
-    async def collect(self, request, on_result=None):
+    async def collect(self, request, on_result=None, on_tokens=None):
         self.requests.append(request)
         return [ThreadResult(request.request_id, i, f"#{self.answer_of(i)}", 50, self.answer_of(i), -0.1, request.cr, request.cr,
                              "eos", min_logprob=self.min_logprob) for i in request.samples]
@@ -301,7 +301,7 @@ def test_allocator_grants_waiting_rounds_by_priority_and_an_oversized_one_alone(
 
 
 class SlowPool(ScriptedPool):
-    async def collect(self, request, on_result=None):
+    async def collect(self, request, on_result=None, on_tokens=None):
         await asyncio.sleep(0.01)
         return await super().collect(request, on_result)
 

@@ -3,6 +3,7 @@ cancel frees memory, an actor killed mid-run loses and duplicates no thread, and
 replaced (reported down until the new one answers)."""
 
 import asyncio
+from dataclasses import replace
 
 import pytest
 import ray
@@ -10,7 +11,9 @@ import ray
 from transformers import AutoTokenizer
 
 from dms_runtime.loading import default_model_path
+from orchestrator.token_events import TokenEvents
 from workers.pool import WorkerPool
+from workers.records import ThreadResult, ThreadTokens, TokenProgress
 from workers.thread import SamplingParams
 from workers.worker import ProblemRequest, WorkerConfig
 
@@ -59,6 +62,49 @@ def test_a_burst_of_problems_runs_concurrently_within_the_pool(pool):
         assert worker.pool_peak_bytes <= worker.pool_bytes
         assert worker.pool_used_bytes == 0
     assert all(worker.tokens_generated > 0 for worker in stats)  # both workers got work
+
+
+def test_a_streaming_request_reports_its_threads_tokens_while_they_decode(pool):
+    """Through Ray: batches of each running thread's new token ids (with log-probabilities and the most likely
+    alternatives when asked) arrive before its result, and add up to the start of its token ids."""
+    params = SamplingParams(temperature=0.8, max_new_tokens=400, seed=4, logprobs=True, top_logprobs=2)
+    req = replace(request("streaming", HARD, 3, params), stream_tokens=True)
+
+    async def consume():
+        return [item async for item in pool.run(req)]
+
+    items = asyncio.run(consume())
+    results = {item.sample: item for item in items if isinstance(item, ThreadResult)}
+    assert sorted(results) == [0, 1, 2]
+    told: dict[int, list[int]] = {sample: [] for sample in results}
+    for position, item in enumerate(items):
+        if isinstance(item, TokenProgress):
+            assert item.problem_id == "streaming"
+            for tokens in item.threads:
+                assert items.index(results[tokens.sample]) > position  # before the thread's result
+                assert tokens.tokens == len(told[tokens.sample]) + len(tokens.token_ids)
+                assert len(tokens.token_logprobs) == len(tokens.token_ids)
+                assert {len(top) for top in tokens.top_logprobs} == {2}
+                told[tokens.sample] += tokens.token_ids
+    assert sum(map(len, told.values())) > 0  # tokens flowed while the threads ran
+    for sample, result in results.items():
+        assert list(result.token_ids[: len(told[sample])]) == told[sample]
+        assert len(result.token_logprobs) == len(result.token_ids) == len(result.top_logprobs)
+        assert TOKENIZER.decode(list(result.token_ids), skip_special_tokens=True) == result.text
+
+
+def test_token_events_tell_a_rerun_threads_tokens_once():
+    """A thread re-run after its worker died reports from its start again: what was told is not told twice, and
+    the text deltas add up to the thread's text."""
+    ids = TOKENIZER("a=3;b=4;c=a*b;d=c+a;?d\na:03\nb:04", add_special_tokens=False)["input_ids"]
+    events = []
+    told = TokenEvents("task", TOKENIZER, lambda name, data: events.append(data))
+    told(TokenProgress("r", (ThreadTokens(0, tuple(ids[:5]), 5),)))
+    told(TokenProgress("r", (ThreadTokens(0, tuple(ids[:3]), 3),)))  # the re-run, from its start: nothing new
+    told(TokenProgress("r", (ThreadTokens(0, tuple(ids[3:9]), 9),)))
+    told(ThreadResult("r", 0, TOKENIZER.decode(ids), len(ids), None, 0.0, 1.0, 1.0, "length", token_ids=tuple(ids)))
+    assert [i for e in events for i in e["ids"]] == ids
+    assert "".join(e["text"] for e in events) == TOKENIZER.decode(ids)
 
 
 def test_cancel_stops_threads_and_frees_their_memory(pool):

@@ -31,7 +31,7 @@ from dms_runtime.paged_cache import PagedDMSCache
 from workers.kv_budget import KVBudgetModel
 from workers.sampler import sample_rows
 from workers.scheduler import Scheduler
-from workers.records import ThreadResult
+from workers.records import ThreadResult, ThreadTokens
 from tasks.families import TaskFamily
 from workers.thread import SamplingParams, StopRule, Thread
 
@@ -151,7 +151,7 @@ class Engine:
 
     def _stop_rule(self, family: TaskFamily | None) -> StopRule | None:
         """A family's stop rule, built once per family (``None``: the chain family, which reads ``self.stop``)."""
-        if family is None or family.name == "chain":
+        if family is None or (family.name == "chain" and not family.stop_strings):
             return None
         key = (family.name, tuple(family.stop_strings))
         if key not in self._stops:
@@ -323,11 +323,42 @@ class Engine:
         top_k = torch.tensor([t.params.top_k for t in threads])
         min_p = torch.tensor([t.params.min_p for t in threads])
         chosen = sample_rows(logits, temperature, top_p, [t.generator for t in threads], top_k, min_p).cpu()
-        logprobs = torch.log_softmax(logits.float(), dim=-1).gather(-1, chosen[:, None].to(logits.device))[:, 0].cpu()
+        all_logprobs = torch.log_softmax(logits.float(), dim=-1)
+        logprobs = all_logprobs.gather(-1, chosen[:, None].to(logits.device))[:, 0].cpu()
+        tops = self._top_logprobs(threads, all_logprobs)
         self.next_input[self._row_indices(threads)] = chosen
-        done = [t for t, token, lp in zip(threads, chosen.tolist(), logprobs.tolist()) if t.append(token, lp, t.stop or self.stop)]
+        done = [t for t, token, lp, top in zip(threads, chosen.tolist(), logprobs.tolist(), tops)
+                if t.append(token, lp, t.stop or self.stop, top)]
         self.tokens_generated += len(threads)
         return self._retire(done)
+
+    @staticmethod
+    def _top_logprobs(threads: list[Thread], logprobs: torch.Tensor) -> list[tuple[tuple[int, float], ...]]:
+        """Each thread's ``top_logprobs`` most likely (token, log-probability) pairs; computed only for the rows that
+        ask (one top-k over them), empty for the others."""
+        rows = [i for i, t in enumerate(threads) if t.params.logprobs and t.params.top_logprobs > 0]
+        tops: list[tuple[tuple[int, float], ...]] = [()] * len(threads)
+        if rows:
+            k = max(threads[i].params.top_logprobs for i in rows)
+            values, ids = logprobs[rows].topk(min(k, logprobs.shape[-1]), dim=-1)
+            for row, row_values, row_ids in zip(rows, values.cpu().tolist(), ids.cpu().tolist()):
+                keep = threads[row].params.top_logprobs
+                tops[row] = tuple(zip(row_ids[:keep], row_values[:keep]))
+        return tops
+
+    def progress(self, request_ids: set[str]) -> list[tuple[str, ThreadTokens]]:
+        """The tokens each running thread of ``request_ids`` decoded since its last report (a finished thread's last
+        tokens travel in its ``ThreadResult``); each thread's are reported once."""
+        found = []
+        for thread in self.rows:
+            if thread.problem_id in request_ids and len(thread.tokens) > thread.reported:
+                start, end = thread.reported, len(thread.tokens)
+                details = (tuple(thread.token_logprobs[start:end]), tuple(thread.top_logprobs[start:end])) \
+                    if thread.params.logprobs else ()
+                found.append((thread.problem_id,
+                              ThreadTokens(thread.sample_index, tuple(thread.tokens[start:end]), end, *details)))
+                thread.reported = end
+        return found
 
     def _retire(self, threads: list[Thread]) -> list[ThreadResult]:
         if not threads:

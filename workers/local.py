@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import AsyncIterator
 
-from workers.records import ThreadResult
+from workers.records import ThreadResult, TokenProgress
 from workers.thread import SamplingParams
 from workers.runner import ThreadRunner, WorkerHealth
 from workers.worker import ModelWorker, ProblemRequest, WorkerConfig, WorkerStats
@@ -18,7 +18,7 @@ class LocalPool(ThreadRunner):
         self.worker = ModelWorker(config)
         self.config = self.worker.config
 
-    async def run(self, request: ProblemRequest, worker=None) -> AsyncIterator[ThreadResult]:
+    async def run(self, request: ProblemRequest, worker=None) -> AsyncIterator[ThreadResult | TokenProgress]:
         async for result in self.worker.run(request):
             yield result
 

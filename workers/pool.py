@@ -31,10 +31,11 @@ from typing import AsyncIterator
 
 import ray
 import torch
+from ray._private import ray_constants
 from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
 
 from workers.kv_budget import KVBudgetModel
-from workers.records import ThreadResult
+from workers.records import ThreadResult, TokenProgress
 from workers.runner import ThreadRunner, WorkerHealth
 from workers.worker import ModelWorker, ProblemRequest, WorkerConfig, WorkerStats
 
@@ -59,7 +60,7 @@ class RayModelWorker(ModelWorker):
 
 
 def ensure_ray(address: str | None = None, num_cpus: int | None = None) -> None:
-    """Connect to ``address`` / ``$RAY_ADDRESS``, or start a local Ray instance in-process."""
+    """Connect to ``address`` / ``$RAY_ADDRESS``, or start a local Ray instance in-process, on loopback only."""
     if ray.is_initialized():
         return
     address = address or os.environ.get("RAY_ADDRESS")
@@ -69,7 +70,16 @@ def ensure_ray(address: str | None = None, num_cpus: int | None = None) -> None:
         # Ray renices its workers by default; next to any other busy process a reniced model worker
         # starves (a 25x slower actor was measured here), so local workers run at normal priority.
         os.environ.setdefault("RAY_worker_niceness", "0")
-        ray.init(num_cpus=num_cpus or os.cpu_count(), include_dashboard=False, log_to_driver=False)
+        # This instance is this process's alone: node address 127.0.0.1 binds every Ray port (GCS, raylet, object
+        # manager, workers, agents) to loopback. Ray turns "127.0.0.1" into the machine's outward address while its
+        # cluster mode is on (the default on Linux), so it is off while this node starts.
+        cluster_mode = ray_constants.ENABLE_RAY_CLUSTER
+        ray_constants.ENABLE_RAY_CLUSTER = False
+        try:
+            ray.init(num_cpus=num_cpus or os.cpu_count(), include_dashboard=False, log_to_driver=False,
+                     _node_ip_address="127.0.0.1")
+        finally:
+            ray_constants.ENABLE_RAY_CLUSTER = cluster_mode
 
 
 def worker_resources(text: str | None = None) -> dict[str, float]:
@@ -255,8 +265,9 @@ class WorkerPool(ThreadRunner):
             return 0, 0
 
     # -- requests ------------------------------------------------------------------------------------
-    async def run(self, request: ProblemRequest, worker=None) -> AsyncIterator[ThreadResult]:
-        """Each thread's result as it finishes, exactly once, surviving worker and node deaths."""
+    async def run(self, request: ProblemRequest, worker=None) -> AsyncIterator[ThreadResult | TokenProgress]:
+        """Each thread's result as it finishes, exactly once, surviving worker and node deaths (and, when the request
+        streams its tokens, the progress of the threads still owed)."""
         owed = set(request.samples)
         attempt = 0
         task = request.task
@@ -273,7 +284,12 @@ class WorkerPool(ThreadRunner):
                                                samples=tuple(sorted(owed))))
             try:
                 while (ref := await self._next(stream, index)) is not None:
-                    result: ThreadResult = await ref
+                    result: ThreadResult | TokenProgress = await ref
+                    if isinstance(result, TokenProgress):
+                        threads = tuple(t for t in result.threads if t.sample in owed)
+                        if threads:
+                            yield replace(result, problem_id=request.request_id, threads=threads)
+                        continue
                     if result.sample in owed:
                         owed.discard(result.sample)
                         sent, routed = sent - 1, routed - thread_bytes

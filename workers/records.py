@@ -1,5 +1,5 @@
 """The thread record: what a finished thread reports, from the engine to the API (plain data, no torch), so the
-HTTP SDK and the job store read it without loading a model stack."""
+HTTP SDK and the job store read it without loading a model stack; and the progress of running threads."""
 
 from __future__ import annotations
 
@@ -39,3 +39,29 @@ class ThreadResult:
     # The most KV bytes this thread's task (all its threads, rounds and held prompt) held at once, up to when it
     # finished: the largest over a task's threads is the request's own KV peak.
     kv_peak_bytes: int = 0
+    # Only when its sampling parameters ask (``logprobs``): the generated token ids (no EOS), each one's
+    # log-probability and, with ``top_logprobs`` k, the k most likely (id, log-probability) pairs at each position.
+    token_ids: tuple[int, ...] = ()
+    token_logprobs: tuple[float, ...] = ()
+    top_logprobs: tuple[tuple[tuple[int, float], ...], ...] = ()
+
+
+@dataclass(frozen=True)
+class ThreadTokens:
+    """A running thread's tokens since its last report: ``token_ids`` are its tokens ``tokens - len(token_ids)``
+    to ``tokens`` (a thread re-run after its worker died reports from its start again, with the same tokens)."""
+
+    sample: int
+    token_ids: tuple[int, ...]
+    tokens: int  # its tokens so far
+    token_logprobs: tuple[float, ...] = ()  # when its sampling parameters ask, as in ThreadResult
+    top_logprobs: tuple[tuple[tuple[int, float], ...], ...] = ()
+
+
+@dataclass(frozen=True)
+class TokenProgress:
+    """What a request's running threads decoded since the last report: streamed beside the finished threads'
+    ``ThreadResult``s when the request asks (``ProblemRequest.stream_tokens``)."""
+
+    problem_id: str
+    threads: tuple[ThreadTokens, ...]

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import asdict, dataclass
-from typing import AsyncIterator, Literal
+from typing import AsyncIterator, Callable, Literal
 
-from workers.records import ThreadResult
+from workers.records import ThreadResult, TokenProgress
 from workers.worker import ProblemRequest
 
 
@@ -33,20 +33,27 @@ class WorkerHealth:
 
 
 class ThreadRunner:
-    """Base of ``LocalPool`` and ``WorkerPool``: subclasses stream results from ``run``."""
+    """Base of ``LocalPool`` and ``WorkerPool``: subclasses stream results (and, when a request streams its tokens,
+    ``TokenProgress``) from ``run``."""
 
-    def run(self, request: ProblemRequest, worker=None) -> AsyncIterator[ThreadResult]:
+    def run(self, request: ProblemRequest, worker=None) -> AsyncIterator[ThreadResult | TokenProgress]:
         raise NotImplementedError
 
     async def health(self) -> list[WorkerHealth]:
         raise NotImplementedError
 
-    async def collect(self, request: ProblemRequest, on_result=None) -> list[ThreadResult]:
+    async def collect(self, request: ProblemRequest, on_result: Callable[[ThreadResult], None] | None = None,
+                      on_tokens: Callable[[TokenProgress], None] | None = None) -> list[ThreadResult]:
+        """Every thread's result; ``on_result`` hears each as it finishes, ``on_tokens`` each batch of progress."""
         results = []
-        async for result in self.run(request):
-            results.append(result)
+        async for item in self.run(request):
+            if isinstance(item, TokenProgress):
+                if on_tokens is not None:
+                    on_tokens(item)
+                continue
+            results.append(item)
             if on_result is not None:
-                on_result(result)
+                on_result(item)
         return results
 
     def solve(self, request: ProblemRequest, on_result=None) -> list[ThreadResult]:

@@ -2,7 +2,8 @@
 
 The class is plain Python (usable in-process); :mod:`workers.pool` hosts it as a Ray actor. Requests
 stream back one :class:`~workers.thread.ThreadResult` per thread as each finishes (``run`` is an async
-generator: under Ray, a streaming actor method). The engine is not thread-safe, so every call into it
+generator: under Ray, a streaming actor method) and, when asked, their running threads' new tokens in small
+batches (:class:`~workers.records.TokenProgress`). The engine is not thread-safe, so every call into it
 holds one lock; the loop releases the lock between steps, so submits and cancels wait one step at most.
 That wait happens on a helper thread (``_locked``), never on the event loop: an API server or a Ray actor
 that resumes many requests at once stays responsive while the engine steps.
@@ -28,7 +29,7 @@ from dms_runtime.model_dir import context_length, eos_token_ids, generation_defa
 from dms_runtime.nvidia_layout import NvidiaAdapterSet, load_nvidia_layout, read_dms_config
 from tasks.families import TaskFamily, default_family, get_family
 from workers.engine import Engine
-from workers.records import ThreadResult
+from workers.records import ThreadResult, TokenProgress
 from workers.thread import SamplingParams
 
 DEFAULT_KV_BUDGET = 64 * 2**20
@@ -47,6 +48,9 @@ class WorkerConfig(BaseModel):
     # What admission reserves per thread: each adapter's measured KV growth (``thinkpool kv-growth``), or DESIGN's
     # nominal 1/cr for every adapter (to compare the two, or when a measurement is not trusted).
     reserve: Literal["measured", "nominal"] = "measured"
+    # How often running threads of a request that streams its tokens report them (seconds): small batches, so a
+    # reader sees tokens as they are decoded without one message per token.
+    token_report_s: float = Field(0.05, gt=0, le=10)
 
 
 @dataclass(frozen=True)
@@ -56,7 +60,8 @@ class ProblemRequest:
     Requests with one ``task_id`` share the prompt's prefill and slots (default: the request is its own task);
     ``keep_task`` keeps the task, and its held prompt, open after the request ends, until ``close_task``.
     ``task_family`` (with the regex family's ``answer_pattern`` and any ``stop_strings``) is how the threads stop
-    and what their answers are: plain data, so a Ray worker rebuilds the family (``tasks.families.get_family``)."""
+    and what their answers are: plain data, so a Ray worker rebuilds the family (``tasks.families.get_family``).
+    ``stream_tokens``: the running threads' new tokens stream back (``TokenProgress``) beside the results."""
 
     request_id: str
     prompt_ids: tuple[int, ...]
@@ -68,6 +73,7 @@ class ProblemRequest:
     task_family: str = "chain"
     answer_pattern: str | None = None
     stop_strings: tuple[str, ...] = ()
+    stream_tokens: bool = False
 
     def family(self) -> TaskFamily:
         return get_family(self.task_family, answer_pattern=self.answer_pattern, stop_strings=self.stop_strings or None)
@@ -146,6 +152,8 @@ class ModelWorker:
         self._work = threading.Event()
         self._listeners: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._task_of: dict[str, str] = {}  # running request id -> its task
+        self._streaming: set[str] = set()  # running requests that stream their threads' tokens
+        self._reported_at = 0.0
         self._loop_thread = threading.Thread(target=self._loop, name="engine-loop", daemon=True)
         self._loop_thread.start()
 
@@ -158,8 +166,21 @@ class ModelWorker:
                     self._work.clear()
                     continue
                 results = self.engine.step()
+                progress = self._progress()
+            for item in progress:
+                self._deliver(item.problem_id, item)
             for result in results:
                 self._deliver(result.problem_id, result)
+
+    def _progress(self) -> list[TokenProgress]:
+        """Every ``token_report_s``: the new tokens of the running threads of requests that stream them."""
+        if not self._streaming or time.monotonic() - self._reported_at < self.config.token_report_s:
+            return []
+        self._reported_at = time.monotonic()
+        by_request: dict[str, list] = {}
+        for request_id, tokens in self.engine.progress(set(self._streaming)):
+            by_request.setdefault(request_id, []).append(tokens)
+        return [TokenProgress(request_id, tuple(threads)) for request_id, threads in by_request.items()]
 
     def _deliver(self, request_id: str, item) -> None:
         listener = self._listeners.get(request_id)
@@ -177,25 +198,31 @@ class ModelWorker:
 
         return await asyncio.to_thread(locked_call)
 
-    async def run(self, request: ProblemRequest) -> AsyncIterator[ThreadResult]:
-        """Yield each thread's result as it finishes (all of ``request.samples``, unless cancelled)."""
+    async def run(self, request: ProblemRequest) -> AsyncIterator[ThreadResult | TokenProgress]:
+        """Yield each thread's result as it finishes (all of ``request.samples``, unless cancelled) and, when the
+        request streams its tokens, the running threads' new tokens every ``token_report_s``."""
         if request.request_id in self._listeners:
             raise ValueError(f"request {request.request_id!r} is already running on this worker")
         queue: asyncio.Queue = asyncio.Queue()
         self._listeners[request.request_id] = (asyncio.get_running_loop(), queue)
         self._task_of[request.request_id] = request.task
+        if request.stream_tokens:
+            self._streaming.add(request.request_id)
         try:
             await self._locked(self.engine.submit, request.request_id, list(request.prompt_ids), list(request.samples),
                                request.params, request.cr, request.task, request.keep_task, request.family())
             self._work.set()
-            for _ in request.samples:
+            owed = len(request.samples)
+            while owed:
                 item = await queue.get()
                 if item is None:  # cancelled
                     return
+                owed -= isinstance(item, ThreadResult)
                 yield item
         finally:
             self._listeners.pop(request.request_id, None)
             self._task_of.pop(request.request_id, None)
+            self._streaming.discard(request.request_id)
             # a consumer that went away frees its threads (the helper thread finishes even if this await is cancelled)
             await self._locked(self.engine.cancel, request.request_id)
 

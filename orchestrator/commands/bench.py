@@ -63,7 +63,8 @@ def cmd_bench_overhead(args, parser) -> int:
         from transformers import AutoTokenizer
 
         tokenizer = AutoTokenizer.from_pretrained(args.model or default_model_path(), local_files_only=True)
-        report = bench_overhead(pool, tokenizer(prompt)["input_ids"], args.samples, args.max_new_tokens, args.repeats)
+        report = bench_overhead(pool, tokenizer(prompt)["input_ids"], args.samples, args.max_new_tokens, args.repeats,
+                                args.stream_tokens)
         pool.shutdown()
         report["path"] = "ray" if args.workers else "in-process"
     if args.json:

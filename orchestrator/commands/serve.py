@@ -20,9 +20,13 @@ def is_loopback(host: str) -> bool:
 
 def check_exposure(args, parser) -> None:
     """Refuse (exit 2) to serve a non-loopback host with no API key configured, unless ``--allow-anonymous``."""
-    from orchestrator.api import parse_keys
+    from orchestrator.api_keys import parse_keys
 
-    if is_loopback(args.host) or args.allow_anonymous or parse_keys(os.environ.get("THINKPOOL_API_KEYS", "")):
+    try:
+        keys = parse_keys(os.environ.get("THINKPOOL_API_KEYS", ""))
+    except ValueError as error:  # THINKPOOL_API_KEYS that do not parse
+        parser.error(str(error))
+    if is_loopback(args.host) or args.allow_anonymous or keys:
         return
     parser.error(f"argument --host: {args.host} can be reached from other machines and THINKPOOL_API_KEYS is not set: "
                  "set THINKPOOL_API_KEYS=key1,key2 (clients send X-API-Key or Authorization: Bearer), or pass "
@@ -42,5 +46,9 @@ def cmd_serve(args, parser) -> int:
         check_model_dir(model_dir)  # no config, no tokenizer, bad dms_* settings: exit 2 before anything starts
     except ModelLoadError as error:
         parser.error(f"argument --model: {error}")
-    uvicorn.run(create_app(service_factory(model_dir, args.kv_budget, args.workers)), host=args.host, port=args.port)
+    try:
+        app = create_app(service_factory(model_dir, args.kv_budget, args.workers))
+    except ValueError as error:  # THINKPOOL_API_KEYS that do not parse
+        parser.error(str(error))
+    uvicorn.run(app, host=args.host, port=args.port)
     return 0
