@@ -132,7 +132,8 @@ async def run_controller(problems: list[dict], service, kv_budget: int, max_thre
     report = await evaluate_with_controller(problems, service, kv_budget, max_threads, seed,
                                             progress=lambda line: print(line, file=sys.stderr))
     # temperature: the one fixed for every task, or null when each task's plan chose (see temperatures_chosen).
-    config = {"max_threads": max_threads, "temperature": service.controller.temperature if service.controller else None, "seed": seed}
+    fixed = service.controller.temperature if service.controller else None
+    config = {"max_threads": max_threads, "temperature": fixed, "seed": seed}
     return {**report, "kv_budget_bytes": kv_budget, "config": config}
 
 
