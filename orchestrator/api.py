@@ -1,12 +1,12 @@
 """The REST service (``thinkpool serve``): FastAPI over one ``SolveService``.
 
 Routes (one module each under ``orchestrator/routes/``): ``POST /v1/solve`` (sync, or ``"async": true`` -> 202 and a
-job id), ``GET/DELETE /v1/jobs/{id}``, ``GET /v1/jobs/{id}/events`` (server-sent events), OpenAI's
-``POST /v1/chat/completions``, ``POST /v1/completions``, ``GET /v1/models`` and ``GET /v1/models/{id}``,
-``/healthz``, ``/readyz``, ``/metrics`` (Prometheus). Jobs are saved before they are acknowledged; on start-up, jobs
-left unfinished by a previous process are run again. API keys, rate limits, the bounded queue, deadlines and the
-body limit: ``orchestrator/api_keys.py``, ``api_runtime.py``, ``api_limits.py``; error shapes:
-``orchestrator/api_errors.py``.
+job id), ``GET /v1/jobs`` (the caller's), ``GET/DELETE /v1/jobs/{id}``, ``GET /v1/jobs/{id}/events`` (server-sent
+events), OpenAI's ``POST /v1/chat/completions``, ``POST /v1/completions``, ``GET /v1/models`` and
+``GET /v1/models/{id}``, ``/healthz``, ``/readyz``, ``/v1/pool`` (the KV pools), ``/metrics`` (Prometheus), and the
+dashboard at ``/ui``. Jobs are saved before they are acknowledged; on start-up, jobs left unfinished by a previous
+process are run again. API keys, rate limits, the bounded queue, deadlines and the body limit:
+``orchestrator/api_keys.py``, ``api_runtime.py``, ``api_limits.py``; error shapes: ``orchestrator/api_errors.py``.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from orchestrator.api_keys import KeyGate, parse_keys
 from orchestrator.api_limits import BodyLimit
 from orchestrator.api_runtime import ApiRuntime
 from orchestrator.jobs import make_job_store
-from orchestrator.routes import health_routes, job_routes, openai_routes, solve_routes
+from orchestrator.routes import health_routes, job_routes, openai_routes, solve_routes, ui_routes
 from orchestrator.settings import LimitSettings, get_settings
 
 
@@ -58,7 +58,7 @@ def create_app(service_factory, store=None, limits: LimitSettings | None = None)
     async def on_failure(request: Request, error: Exception):
         return error_response(request.url.path, 500, f"{type(error).__name__}: {error}")
 
-    for routes in (solve_routes, job_routes, openai_routes, health_routes):
+    for routes in (solve_routes, job_routes, openai_routes, health_routes, ui_routes):
         app.include_router(routes.router)
     app.add_middleware(BodyLimit, max_bytes=limits.max_body_bytes)
     return app

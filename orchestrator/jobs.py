@@ -22,6 +22,7 @@ from orchestrator.schemas import Job, SolveRequest
 
 FINAL = ("done", "failed", "cancelled", "timed_out")
 DEFAULT_TTL_S = 86400.0
+RECENT_JOBS = 1000  # jobs an owner's listing reaches back to
 
 
 def cache_key(request: SolveRequest, model_id: str, owner: str | None = None) -> str:
@@ -55,6 +56,12 @@ class MemoryJobStore:
 
     def unfinished(self) -> list[Job]:
         return [j.model_copy(deep=True) for j in self._jobs.values() if j.state not in FINAL]
+
+    def recent(self, owner: str | None, limit: int = RECENT_JOBS) -> list[Job]:
+        """``owner``'s jobs, newest first (at most ``limit``)."""
+        self._expire()
+        mine = sorted((j for j in self._jobs.values() if j.owner == owner), key=lambda j: j.created_s, reverse=True)
+        return [j.model_copy(deep=True) for j in mine[:limit]]
 
     def cached(self, request: SolveRequest, owner: str | None = None) -> Job | None:
         job_id = self._cache.get(cache_key(request, self.model_id, owner))
@@ -90,8 +97,24 @@ class RedisJobStore:
             pipe.sadd(f"{self.prefix}:unfinished", job.id)
         if job.state == "done":
             pipe.set(f"{self.prefix}:cache:{cache_key(job.request, self.model_id, job.owner)}", job.id, px=expire_ms)
+        listing = self._listing(job.owner)
+        pipe.zadd(listing, {job.id: job.created_s}, nx=True)
+        pipe.zremrangebyrank(listing, 0, -RECENT_JOBS - 1)  # the newest RECENT_JOBS only
         pipe.execute()
         return job
+
+    def _listing(self, owner: str | None) -> str:
+        return f"{self.prefix}:owner:{owner or ''}"
+
+    def recent(self, owner: str | None, limit: int = RECENT_JOBS) -> list[Job]:
+        """``owner``'s jobs, newest first (at most ``limit``); ids whose job expired leave the listing here."""
+        listing = self._listing(owner)
+        ids = [i.decode() for i in self.client.zrevrange(listing, 0, limit - 1)]
+        jobs = [self.get(i) for i in ids]
+        expired = [i for i, job in zip(ids, jobs) if job is None]
+        if expired:
+            self.client.zrem(listing, *expired)
+        return [job for job in jobs if job is not None]
 
     def get(self, job_id: str) -> Job | None:
         raw = self.client.get(f"{self.prefix}:job:{job_id}")

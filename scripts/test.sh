@@ -1,14 +1,17 @@
 #!/usr/bin/env bash
-# The README's test command: installs what the tests need (Python packages, Debian's redis-server)
+# The README's test command: installs what the tests need (Python packages, Debian's redis-server and chromium)
 # and runs the whole suite.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-if ! command -v redis-server >/dev/null; then
+missing=()
+command -v redis-server >/dev/null || missing+=(redis-server)
+command -v chromium >/dev/null || missing+=(chromium)
+if [ ${#missing[@]} -gt 0 ]; then
   if [ "$(id -u)" = 0 ]; then
-    { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server >/dev/null; } \
-      || echo "warning: could not install redis-server; tests that need Redis will fail" >&2
+    { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${missing[@]}" >/dev/null; } \
+      || echo "warning: could not install ${missing[*]}; the tests that need them will fail" >&2
   else
-    echo "redis-server is missing: install Debian's redis-server package" >&2
+    echo "missing Debian packages: ${missing[*]} (install them: the Redis and dashboard tests need them)" >&2
   fi
 fi
 bash scripts/setup.sh

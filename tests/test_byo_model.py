@@ -91,7 +91,7 @@ def test_openai_completions_return_the_generated_text(qwen_server):
     ({"prompt": HALF, "samples": 1, "max_tokens": 250}, "max_tokens",
      f"exceed the model's context of {CONTEXT} tokens (max_position_embeddings)"),
     ({"prompt": "zq " * 200, "samples": 1, "max_tokens": 10}, "prompt", f"the model's context is {CONTEXT} tokens"),
-    ({"prompt": HALF, "mode": "controller"}, "mode", "calibration profile is for the chain task, not math"),
+    ({"prompt": HALF, "mode": "controller"}, "mode", "needs a calibration profile for the math task"),
     ({"prompt": "x" * 20_001}, "prompt", "at most 20000 characters"),
 ])
 def test_bad_requests_get_422_naming_the_field(qwen_server, body, field, message):

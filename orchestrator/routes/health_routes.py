@@ -1,6 +1,9 @@
-"""``/healthz`` (the process answers), ``/readyz`` (the workers are loaded) and ``/metrics`` (Prometheus)."""
+"""``/healthz`` (the process answers), ``/readyz`` (every worker answers), ``/v1/pool`` (the KV pools, JSON) and
+``/metrics`` (Prometheus)."""
 
 from __future__ import annotations
+
+import time
 
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, PlainTextResponse
@@ -50,6 +53,40 @@ async def readyz(request: Request):
     if down:
         return JSONResponse(status_code=503, content=body.model_dump(exclude_none=True))
     return body
+
+
+class WorkerPoolStats(BaseModel):
+    """One worker's KV pool and engine, now."""
+
+    pool_bytes: int
+    pool_used_bytes: int
+    pool_peak_bytes: int
+    running: int
+    waiting: int
+    tokens_per_s: float
+
+
+class PoolStats(BaseModel):
+    """Every worker's KV pool (workers that did not answer are left out), and the sums; ``time_s`` is when."""
+
+    time_s: float
+    pool_bytes: int
+    pool_used_bytes: int
+    pool_peak_bytes: int
+    workers: list[WorkerPoolStats]
+
+
+@router.get("/v1/pool", dependencies=[Depends(caller)], response_model=PoolStats,
+            responses=responses(400, 401, 413, 429, 500))
+async def pool(rt: ApiRuntime = Depends(runtime)) -> PoolStats:
+    """The KV pools' bytes in use and their peaks, as JSON (the dashboard draws them over time)."""
+    stats = [s for s in await rt.service.pool.stats() if s is not None]
+    workers = [WorkerPoolStats(pool_bytes=s.pool_bytes, pool_used_bytes=s.pool_used_bytes,
+                               pool_peak_bytes=s.pool_peak_bytes, running=s.running, waiting=s.waiting,
+                               tokens_per_s=round(s.tokens_per_s, 1)) for s in stats]
+    return PoolStats(time_s=time.time(), pool_bytes=sum(w.pool_bytes for w in workers),
+                     pool_used_bytes=sum(w.pool_used_bytes for w in workers),
+                     pool_peak_bytes=max((w.pool_peak_bytes for w in workers), default=0), workers=workers)
 
 
 @router.get("/metrics", dependencies=[Depends(caller)], response_class=PlainTextResponse, responses={

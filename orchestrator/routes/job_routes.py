@@ -6,8 +6,9 @@ from __future__ import annotations
 import asyncio
 import json
 
-from fastapi import APIRouter, Depends, Header, HTTPException
+from fastapi import APIRouter, Depends, Header, HTTPException, Query
 from fastapi.responses import StreamingResponse
+from pydantic import BaseModel
 
 from orchestrator.api_errors import responses
 from orchestrator.api_keys import Caller
@@ -18,6 +19,30 @@ from orchestrator.schemas import Job
 
 router = APIRouter(tags=["jobs"], responses=responses(400, 401, 404, 413, 429, 500))
 POLL_S = 0.1
+
+
+class JobSummary(BaseModel):
+    """A job in a listing: enough to pick it (``GET /v1/jobs/{id}`` has the rest)."""
+
+    id: str
+    state: str
+    created_s: float
+    updated_s: float
+    prompt: str  # the first 200 characters
+    task: str | None
+    samples: int | str
+    answer: str | None = None
+    threads: int = 0  # finished threads (of a finished job)
+
+
+@router.get("/v1/jobs", operation_id="listJobs")
+async def list_jobs(limit: int = Query(50, ge=1, le=500, description="the newest this many"),
+                    who: Caller = Depends(caller), rt: ApiRuntime = Depends(runtime)) -> list[JobSummary]:
+    """The caller's jobs, newest first: running and recent ones (finished jobs expire after ``limits.job_ttl_s``)."""
+    return [JobSummary(id=j.id, state=j.state, created_s=j.created_s, updated_s=j.updated_s,
+                       prompt=j.request.prompt[:200], task=j.request.task, samples=j.request.samples,
+                       answer=j.result.answer if j.result else None, threads=len(j.result.threads) if j.result else 0)
+            for j in rt.store.recent(who.key_id, limit)]
 
 
 def owned(job_id: str, who: Caller, rt: ApiRuntime) -> Job:
