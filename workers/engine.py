@@ -28,6 +28,7 @@ from dms_runtime.kv_growth import CURVE_POINTS
 from dms_runtime.kv_pool import MAX_OWNERS, KVPool
 from dms_runtime.loading import kv_geometry
 from dms_runtime.paged_cache import PagedDMSCache
+from workers.batch import Batch
 from workers.kv_budget import KVBudgetModel
 from workers.sampler import sample_rows
 from workers.scheduler import Scheduler
@@ -107,7 +108,7 @@ class Engine:
         self.stop = StopRule.for_tokenizer(tokenizer, eos_ids=self.eos_ids)
         self._stops: dict[tuple, StopRule] = {}
         self.rows: list[Thread] = []  # the running threads, in the cache's row order
-        self.next_input = torch.zeros(0, dtype=torch.long)  # per row: the token to feed next
+        self.batch = Batch(parameter.device)  # their per-row state on the device, in the same order
         self._arrivals = 0
         self.tokens_generated = 0
         self.busy_s = 0.0
@@ -244,8 +245,10 @@ class Engine:
             finished += self._make_room()
         if self.rows:
             threads = list(self.rows)
-            self.adapters.set_rows([t.cr for t in threads])
-            logits = self._forward(self.cache, self.next_input[:, None], self.cache.lengths()[:, None])
+            gated = self.batch.any_gated()
+            self.adapters.use_rows(self.batch.adapter, gated)
+            self.cache.set_evicting(gated)
+            logits = self._forward(self.cache, self.batch.next_input[:, None], self.cache.lengths()[:, None])
             finished += self._advance(threads, logits)
         self.busy_s += time.perf_counter() - began
         return finished
@@ -279,12 +282,13 @@ class Engine:
             cache.add_rows([self.adapters.window(cr)], [owner])
         offset = start.tokens if start is not None else 0
         self.adapters.set_rows([cr])
+        cache.set_evicting(cr != 1)
         ids = torch.tensor(token_ids, dtype=torch.long)
         logits = None
         for first in range(0, len(ids), PREFILL_CHUNK):
             chunk = ids[first : first + PREFILL_CHUNK]
             # Room for this chunk and for the next decode step of every row, the new ones included.
-            if (len(chunk) + len(self.rows) + rows_after) * self.slots_per_token > self.pool.free:
+            if not self.pool.has_free((len(chunk) + len(self.rows) + rows_after) * self.slots_per_token):
                 cache.remove_rows([0])
                 raise _PoolShort
             positions = torch.arange(offset + first, offset + first + len(chunk))
@@ -305,41 +309,56 @@ class Engine:
     def _start(self, group: list[Thread]) -> list[ThreadResult]:
         first = group[0]
         held = self._held_prompt(first, len(group))
+        adapter = self.adapters.index(first.cr)
         if first.tokens:  # resume a preempted thread: its prompt is held; replay its own tokens
             cache, _ = self._prefill(first.tokens[:-1], first.cr, 1, 0, start=held)
             self.cache.extend(cache)
             self.rows.append(first)
-            self.next_input = torch.cat([self.next_input, torch.tensor(first.tokens[-1:])])
+            self.batch.add([first], [adapter], first.tokens[-1:])
             return []
         self.cache.extend(held.cache, repeat=len(group), keep_source=True)
+        begin = len(self.rows)
         self.rows += group
-        self.next_input = torch.cat([self.next_input, torch.zeros(len(group), dtype=torch.long)])
-        return self._advance(group, held.logits.expand(len(group), -1))
+        self.batch.add(group, [adapter] * len(group), [0] * len(group))
+        return self._advance(group, held.logits.expand(len(group), -1), slice(begin, begin + len(group)))
 
-    def _advance(self, threads: list[Thread], logits: torch.Tensor) -> list[ThreadResult]:
-        """Sample one token for each of ``threads`` (rows of ``logits``, in order); retire the finished."""
-        temperature = torch.tensor([t.params.temperature for t in threads])
-        top_p = torch.tensor([t.params.top_p for t in threads])
-        top_k = torch.tensor([t.params.top_k for t in threads])
-        min_p = torch.tensor([t.params.min_p for t in threads])
-        chosen = sample_rows(logits, temperature, top_p, [t.generator for t in threads], top_k, min_p).cpu()
-        logprobs = torch.log_softmax(logits.float(), dim=-1).gather(-1, chosen[:, None].to(logits.device))[:, 0].cpu()
-        self.next_input[self._row_indices(threads)] = chosen
-        done = [t for t, token, lp in zip(threads, chosen.tolist(), logprobs.tolist()) if t.append(token, lp, t.stop or self.stop)]
+    def _advance(self, threads: list[Thread], logits: torch.Tensor, rows: slice = slice(None)) -> list[ThreadResult]:
+        """Sample one token for each of ``threads`` (the batch's ``rows``, rows of ``logits``, in order); retire the
+        finished."""
+        chosen = sample_rows(logits, *self.batch.sampling(rows))
+        logprobs = torch.log_softmax(logits.float(), dim=-1).gather(-1, chosen[:, None])[:, 0]
+        self.batch.record(chosen, rows)
+        tokens, logprobs = self._read_step(chosen, logprobs)
+        done = [t for t, token, lp in zip(threads, tokens, logprobs) if t.append(token, lp, t.stop or self.stop)]
         self.tokens_generated += len(threads)
         return self._retire(done)
 
+    def _read_step(self, tokens: torch.Tensor, logprobs: torch.Tensor) -> tuple[list[int], list[float]]:
+        """The step's one read of the device: the sampled tokens and their log-probs, with the pool's slots in use and
+        each layer's longest line, so that the host admits, makes room and sizes the tables without another."""
+        count = len(tokens)
+        packed = torch.cat([tokens.double(), logprobs.double(), self.pool.used_counter().double(),
+                            self.cache.widest_lines().double()]).tolist()
+        self.pool.observe(int(packed[2 * count]))
+        self.cache.observe_widest([int(w) for w in packed[2 * count + 1:]])
+        return [int(t) for t in packed[:count]], packed[count : 2 * count]
+
     def _retire(self, threads: list[Thread]) -> list[ThreadResult]:
+        """Results for finished ``threads`` (what their rows held, read in one go), then their rows leave."""
         if not threads:
             return []
         rows = self._row_indices(threads)
-        ratios = self.cache.realized_compression()[rows].tolist()
-        memory = self.cache.memory_compression()[rows].tolist()
-        prompts = torch.tensor([len(t.prompt_ids) for t in threads], dtype=torch.long)
-        kept = zip(*(f.tolist() for f in self.cache.kept_fractions(rows, prompts)))
-        curves = [_defined(CURVE_POINTS, row) for row in self.cache.generated_kept_curve(rows, prompts, CURVE_POINTS).tolist()]
-        peaks = [self.task_peak_bytes(t.task_id) for t in threads]
-        results = [t.result(self.tokenizer, r, m, k, c, p) for t, r, m, k, c, p in zip(threads, ratios, memory, kept, curves, peaks)]
+        device = self.pool.keys.device
+        index = torch.tensor(rows, dtype=torch.long, device=device)
+        prompts = torch.tensor([len(t.prompt_ids) for t in threads], dtype=torch.long, device=device)
+        owners = torch.tensor([self.tasks[t.task_id].owner for t in threads], dtype=torch.long, device=device)
+        columns = [self.cache.realized_compression()[index], self.cache.memory_compression()[index],
+                   *self.cache.kept_fractions(rows, prompts), self.pool.owner_peak[owners]]
+        curves = self.cache.generated_kept_curve(rows, prompts, CURVE_POINTS)
+        table = torch.cat([torch.stack([c.double() for c in columns], dim=1), curves.double()], dim=1).tolist()
+        results = [t.result(self.tokenizer, realized, memory, (prompt_kept, generated_kept),
+                            _defined(CURVE_POINTS, curve), int(peak) * self.pool.slot_bytes)
+                   for t, (realized, memory, prompt_kept, generated_kept, peak, *curve) in zip(threads, table)]
         self.scheduler.finish(threads)
         self._drop(threads)
         self._ended(threads)
@@ -355,14 +374,14 @@ class Engine:
             return
         rows = self._row_indices(threads)
         self.cache.remove_rows(rows)
-        keep = torch.ones(len(self.rows), dtype=torch.bool)
-        keep[rows] = False
-        self.next_input = self.next_input[keep]
-        self.rows = [t for t, k in zip(self.rows, keep.tolist()) if k]
+        leaving = set(rows)
+        kept = [row for row in range(len(self.rows)) if row not in leaving]
+        self.batch.keep(kept)
+        self.rows = [self.rows[row] for row in kept]
 
     def _make_room(self) -> list[ThreadResult]:
         """Preempt the newest threads until this decode step's new tokens fit in the free slots."""
-        while len(self.rows) * self.slots_per_token > self.pool.free:
+        while not self.pool.has_free(len(self.rows) * self.slots_per_token):
             victim = self.scheduler.pick_victim()
             if victim is None:  # one thread alone outgrew the pool (it compressed far less than its ratio)
                 self.rows[0].finish_reason = "kv_budget"
