@@ -29,6 +29,9 @@ from dms_runtime.paged_layer import PagedLayer
 class PagedDMSCache(Cache):
     """Rows of slot lines over one pool; pass as ``past_key_values`` with the engine's gate bank attached."""
 
+    use_triton: bool | None = None  # decode attention: None picks (Triton on CUDA, fused SDPA on the CPU); True forces
+    # the kernel (on the CPU under TRITON_INTERPRET=1: the tests' way to run the engine through it)
+
     def __init__(self, pool: KVPool, num_layers: int, num_kv_heads: int):
         super().__init__(layers=[PagedLayer(pool, num_kv_heads) for _ in range(num_layers)])
         self.pool = pool
@@ -75,9 +78,12 @@ class PagedDMSCache(Cache):
         scale = scaling if scaling is not None else dim**-0.5
         if q_len > 1:
             return grouped_sdpa(query, key, value, layer.chunk_mask, scale)
-        attention = decode_attention_sdpa if query.device.type == "cpu" else decode_attention  # Triton on a GPU
-        out = attention(query[:, :, 0], self.pool.keys, self.pool.values, layer.table, layer.count, scale,
-                        max_length=min(layer.widest, layer.width))
+        args = (query[:, :, 0], self.pool.keys, self.pool.values, layer.table, layer.count, scale)
+        bound = min(layer.widest, layer.width)
+        if self.use_triton is None and query.device.type == "cpu":
+            out = decode_attention_sdpa(*args, max_length=bound)
+        else:
+            out = decode_attention(*args, max_length=bound, use_triton=self.use_triton)
         return out.view(rows, 1, heads, dim)
 
     def visibility(self, layer_idx: int, attention_mask: torch.Tensor | None = None) -> torch.Tensor | None:

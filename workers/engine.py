@@ -32,6 +32,7 @@ from workers.batch import Batch
 from workers.kv_budget import KVBudgetModel
 from workers.sampler import sample_rows
 from workers.scheduler import Scheduler
+from workers.sync_probe import read_to_host
 from workers.records import ThreadResult
 from tasks.families import TaskFamily
 from workers.thread import SamplingParams, StopRule, Thread
@@ -337,8 +338,8 @@ class Engine:
         """The step's one read of the device: the sampled tokens and their log-probs, with the pool's slots in use and
         each layer's longest line, so that the host admits, makes room and sizes the tables without another."""
         count = len(tokens)
-        packed = torch.cat([tokens.double(), logprobs.double(), self.pool.used_counter().double(),
-                            self.cache.widest_lines().double()]).tolist()
+        packed = read_to_host(torch.cat([tokens.double(), logprobs.double(), self.pool.used_counter().double(),
+                                         self.cache.widest_lines().double()]))
         self.pool.observe(int(packed[2 * count]))
         self.cache.observe_widest([int(w) for w in packed[2 * count + 1:]])
         return [int(t) for t in packed[:count]], packed[count : 2 * count]
@@ -355,7 +356,7 @@ class Engine:
         columns = [self.cache.realized_compression()[index], self.cache.memory_compression()[index],
                    *self.cache.kept_fractions(rows, prompts), self.pool.owner_peak[owners]]
         curves = self.cache.generated_kept_curve(rows, prompts, CURVE_POINTS)
-        table = torch.cat([torch.stack([c.double() for c in columns], dim=1), curves.double()], dim=1).tolist()
+        table = read_to_host(torch.cat([torch.stack([c.double() for c in columns], dim=1), curves.double()], dim=1))
         results = [t.result(self.tokenizer, realized, memory, (prompt_kept, generated_kept),
                             _defined(CURVE_POINTS, curve), int(peak) * self.pool.slot_bytes)
                    for t, (realized, memory, prompt_kept, generated_kept, peak, *curve) in zip(threads, table)]
