@@ -127,17 +127,16 @@ def decode_attention_sdpa(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.T
     longest = _longest(lengths, table, max_length)
     if rows == 0 or longest == 0:
         return torch.zeros_like(q)
-    valid = torch.arange(longest, device=table.device) < lengths[..., None]  # [rows, kv_heads, longest]
-    index = torch.where(valid, table[..., :longest], 0).long().flatten()
+    valid = torch.arange(longest, device=table.device) < lengths.unsqueeze(-1)  # [rows, kv_heads, longest]
+    index = torch.where(valid, table[..., :longest], 0).view(-1)
     keys = k_pool.index_select(0, index).view(rows, kv_heads, longest, dim)
     values = v_pool.index_select(0, index).view(rows, kv_heads, longest, dim)
-    folded = q.reshape(rows, kv_heads, groups, dim).to(k_pool.dtype)
-    # An empty head masks everything (SDPA gives NaN there); it attends to its first entry instead, then gets zeros.
-    empty = (lengths == 0)[..., None]
-    mask = (valid | (empty & (torch.arange(longest, device=table.device) == 0)))[:, :, None, :]
-    out = F.scaled_dot_product_attention(folded, keys, values, attn_mask=mask, scale=scale)
-    out = out.masked_fill(empty[..., None], 0.0)
-    return out.reshape(rows, q_heads, dim).to(q.dtype)
+    # An empty head would mask everything (SDPA gives NaN there): it attends to its first entry, then gets zeros.
+    empty = (lengths == 0).unsqueeze(-1)
+    valid[..., :1] |= empty
+    out = F.scaled_dot_product_attention(q.reshape(rows, kv_heads, groups, dim).to(k_pool.dtype), keys, values,
+                                         attn_mask=valid.unsqueeze(2), scale=scale)
+    return out.masked_fill(empty.unsqueeze(-1), 0.0).view(rows, q_heads, dim).to(q.dtype)
 
 
 def decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, table: torch.Tensor,

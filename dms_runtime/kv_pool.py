@@ -47,6 +47,7 @@ class KVPool:
         self._stack = torch.cat([torch.arange(self.capacity - 1, -1, -1, dtype=torch.long, device=device),
                                  torch.full((1,), self.trash, dtype=torch.long, device=device)])
         self._top = torch.tensor(self.capacity, dtype=torch.long, device=device)
+        self._depth = torch.arange(1, self.capacity + 1, dtype=torch.long, device=device)  # allocate() pops top - depth
         self._high = torch.zeros((), dtype=torch.long, device=device)
         self.owner_used = torch.zeros(MAX_OWNERS, dtype=torch.long, device=device)
         self.owner_peak = torch.zeros(MAX_OWNERS, dtype=torch.long, device=device)
@@ -107,7 +108,7 @@ class KVPool:
             return torch.zeros(0, dtype=torch.long, device=device)
         if not self.has_free(count):
             raise PoolExhausted(f"needed {count} KV slots, {self.free} of {self.capacity} free")
-        slots = self._stack[self._top - 1 - torch.arange(count, device=device)]
+        slots = self._stack[self._top - self._depth[:count]]
         self._top -= count
         torch.maximum(self._high, self.capacity - self._top, out=self._high)
         self.refs.index_fill_(0, slots, 1)

@@ -97,7 +97,7 @@ class PagedDMSCache(Cache):
     def widest_lines(self) -> torch.Tensor:
         """``[layers]`` on the device: each layer's longest line, for the engine to read with a step's tokens."""
         if not self.rows:
-            return torch.zeros(len(self.layers), dtype=torch.int32, device=self.pool.keys.device)
+            return torch.zeros(len(self.layers), dtype=torch.long, device=self.pool.keys.device)
         return torch.stack([layer.count.amax() for layer in self.layers])
 
     def observe_widest(self, widest: list[int]) -> None:
@@ -106,7 +106,7 @@ class PagedDMSCache(Cache):
 
     def held_slots(self) -> torch.Tensor:
         """Per row: entries held summed over layers and heads (shared prompt slots count per row)."""
-        return sum(layer.count.sum(dim=1, dtype=torch.long) for layer in self.layers)
+        return sum(layer.count.sum(dim=1) for layer in self.layers)
 
     def memory_compression(self) -> torch.Tensor:
         """Per row: tokens processed x layers x KV heads / entries held (what the row's memory shrank by)."""

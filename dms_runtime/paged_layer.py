@@ -1,7 +1,7 @@
 """One layer of the engine's KV cache: per (row, KV head), a packed line of pool slots.
 
 A line holds the pool slots of the tokens that head keeps, packed at the front of ``table [rows, heads, width]``
-(int32), with ``count [rows, heads]`` (int32) of them; ``pos`` (int32) and ``evict`` (bool) beside each entry say
+(int32), with ``count [rows, heads]`` of them; ``pos`` (int32) and ``evict`` (bool) beside each entry say
 which token it is and whether it is marked for eviction. Entries at or past a line's count are never read (their
 ``evict`` is always False, their slot a stale but valid index). Lines keep different numbers of tokens: the decode
 attention reads each one's own count (:mod:`dms_runtime.decode_attention`), nothing is padded to the longest.
@@ -49,7 +49,7 @@ class PagedLayer(CacheLayerMixin):
         self.table = torch.zeros((0, num_heads, 0), dtype=torch.int32, device=device)
         self.pos = torch.zeros((0, num_heads, 0), dtype=torch.int32, device=device)
         self.evict = torch.zeros((0, num_heads, 0), dtype=torch.bool, device=device)
-        self.count = torch.zeros((0, num_heads), dtype=torch.int32, device=device)
+        self.count = torch.zeros((0, num_heads), dtype=torch.long, device=device)
         self.length = torch.zeros(0, dtype=torch.long, device=device)  # tokens processed per row
         self.window = torch.zeros(0, dtype=torch.long, device=device)
         self.owner = torch.zeros(0, dtype=torch.long, device=device)  # per row: the task its new slots belong to
@@ -126,9 +126,8 @@ class PagedLayer(CacheLayerMixin):
             self._grow(self.widest + q_len + GROWTH)
         start = self.length
         logits, self.pending_logits = self.pending_logits, None
-        if self.evicting and logits is not None and self.longest > 0:
-            self._decide_last(logits[:, 0])
-            self._release_expired(start)
+        if self.evicting and logits is not None and self.longest > 0:  # (a fresh row has no token to decide yet)
+            self._settle(logits[:, 0], start)
         owners = self.owner[:, None].expand(rows, heads * q_len).reshape(-1)
         slots = self.pool.allocate(rows * heads * q_len, owners)
         self.pool.write(slots, key_states.reshape(-1, dim), value_states.reshape(-1, value_states.shape[-1]))
@@ -147,38 +146,35 @@ class PagedLayer(CacheLayerMixin):
     def _grow(self, width: int) -> None:
         self.table, self.pos, self.evict = (_widen(t, width) for t in (self.table, self.pos, self.evict))
 
-    def _decide_last(self, logits: torch.Tensor) -> None:
-        """Mark each line's last entry (the previous token, undecided until now) where ``logits [rows, decisions]``
-        (one per head, or one for the layer) cross the threshold."""
-        marks = (logits > 0).expand(-1, self.table.shape[1])
-        last = (self.count.long() - 1).clamp(min=0)[..., None]
-        self.evict.scatter_(2, last, marks[..., None] & (self.count > 0)[..., None])
-
-    def _release_expired(self, query: torch.Tensor) -> None:
-        """Release the entry of each line that a query at position ``query`` (per row) is the first not to see (marked,
-        ``window + 1`` back: at most one per line), and move the line's last entry into its place."""
-        target = (query - self.window - 1)[:, None, None]
-        hit = self.evict & (self.pos == target)
-        where = hit.to(torch.uint8).argmax(-1, keepdim=True)
-        found = hit.gather(2, where)  # [rows, heads, 1]
+    def _settle(self, logits: torch.Tensor, query: torch.Tensor) -> None:
+        """Before a pass whose first query is at ``query`` (per row): mark each line's last entry (the previous token,
+        undecided until now) where ``logits [rows, decisions]`` (one per head, or one for the layer) cross the
+        threshold; then release the entry of each line that this query is the first not to see (marked, ``window + 1``
+        back: at most one per line) and move the line's last entry into its place. Every row has processed a token,
+        so every line holds its last one."""
+        last = (self.count - 1).clamp(min=0).unsqueeze(-1)
+        self.evict.scatter_(2, last, (logits > 0).expand(-1, self.table.shape[1]).unsqueeze(-1))
+        hit = self.evict & (self.pos == (query - self.window - 1).view(-1, 1, 1))
+        found, where = hit.max(-1, keepdim=True)  # [rows, heads, 1]
         self.pool.release(self.table.gather(2, where), found)
-        last = (self.count.long() - 1).clamp(min=0)[..., None]
         into = torch.where(found, where, last)  # where nothing was released, the last entry moves onto itself
-        for name in ("table", "pos"):
-            line = getattr(self, name)
+        for line in (self.table, self.pos):
             line.scatter_(2, into, line.gather(2, last))
         moved = self.evict.gather(2, last)
         self.evict.scatter_(2, into, moved)
         self.evict.scatter_(2, last, moved & ~found)  # the line's end, left behind, is past the count now
-        self.count -= found[..., 0].int()
+        self.count -= found.squeeze(-1).long()
 
     def _append(self, slots: torch.Tensor, start: torch.Tensor, q_len: int) -> None:
         """Place ``slots [rows, heads, q]`` (positions ``start ..``) at the end of every line."""
         rows, heads = slots.shape[:2]
-        offsets = torch.arange(q_len, device=slots.device)
-        at = self.count.long()[..., None] + offsets
+        at = self.count.unsqueeze(-1)
+        positions = start.view(-1, 1, 1)
+        if q_len > 1:
+            offsets = torch.arange(q_len, device=slots.device)
+            at, positions = at + offsets, positions + offsets
         self.table.scatter_(2, at, slots.to(torch.int32))
-        self.pos.scatter_(2, at, (start[:, None, None] + offsets).to(torch.int32).expand(rows, heads, q_len))
+        self.pos.scatter_(2, at, positions.to(torch.int32).expand(rows, heads, q_len))
         self.count += q_len
 
     def _close_chunk(self, start: torch.Tensor, q_len: int, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -197,7 +193,7 @@ class PagedLayer(CacheLayerMixin):
         self.pool.release(self.table, leaving)
         order = torch.sort((~(occupied & ~leaving)).to(torch.uint8), dim=-1, stable=True).indices
         self.table, self.pos, self.evict = (t.gather(2, order) for t in (self.table, self.pos, self.evict))
-        self.count = (occupied & ~leaving).sum(-1, dtype=torch.int32)
+        self.count = (occupied & ~leaving).sum(-1)
         self.evict &= self.occupied()
         return keys, values
 
