@@ -116,8 +116,12 @@ class KVPool:
         self.owner.index_copy_(0, slots, owners)
         self.owner_used.index_add_(0, owners, torch.ones_like(owners))
         torch.maximum(self.owner_peak, self.owner_used, out=self.owner_peak)
-        self._handed_out += count
+        self.handed_out(count)
         return slots
+
+    def handed_out(self, count: int) -> None:
+        """``count`` slots were allocated on the device (by :meth:`allocate`, or by a replayed CUDA graph of it)."""
+        self._handed_out += count
 
     def retain(self, slots: torch.Tensor, times: int = 1, mask: torch.Tensor | None = None) -> None:
         """Add ``times`` references to each of ``slots`` where ``mask`` (default: all) holds; a shared prompt gets

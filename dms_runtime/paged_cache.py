@@ -35,6 +35,8 @@ class PagedDMSCache(Cache):
     def __init__(self, pool: KVPool, num_layers: int, num_kv_heads: int):
         super().__init__(layers=[PagedLayer(pool, num_kv_heads) for _ in range(num_layers)])
         self.pool = pool
+        self.static_bounds = False  # the decode kernel bounded by the table's width, not the widest line: what a
+        # captured CUDA graph needs (its launches are fixed while lines grow)
 
     @property
     def rows(self) -> int:
@@ -79,7 +81,7 @@ class PagedDMSCache(Cache):
         if q_len > 1:
             return grouped_sdpa(query, key, value, layer.chunk_mask, scale)
         args = (query[:, :, 0], self.pool.keys, self.pool.values, layer.table, layer.count, scale)
-        bound = min(layer.widest, layer.width)
+        bound = layer.width if self.static_bounds else min(layer.widest, layer.width)
         if self.use_triton is None and query.device.type == "cpu":
             out = decode_attention_sdpa(*args, max_length=bound)
         else:
@@ -99,6 +101,12 @@ class PagedDMSCache(Cache):
         if not self.rows:
             return torch.zeros(len(self.layers), dtype=torch.long, device=self.pool.keys.device)
         return torch.stack([layer.count.amax() for layer in self.layers])
+
+    def host_step(self) -> None:
+        """A decode step ran on the device without this object (a replayed CUDA graph): what it changes on the host."""
+        for layer in self.layers:
+            layer.host_step(1)
+        self.pool.handed_out(self.rows * self.layers[0].table.shape[1] * len(self.layers))
 
     def observe_widest(self, widest: list[int]) -> None:
         for layer, value in zip(self.layers, widest):

@@ -89,10 +89,9 @@ class PagedLayer(CacheLayerMixin):
         width = max(self.width, other.width)
         for name in ("table", "pos", "evict"):
             mine, theirs = _widen(getattr(self, name), width), _widen(getattr(other, name), width)
-            setattr(self, name, torch.cat([mine, theirs.repeat_interleave(repeat, dim=0, output_size=len(theirs) * repeat)]))
+            setattr(self, name, torch.cat([mine, _repeat(theirs, repeat)]))
         for name in ("count", "length", "owner", "window"):
-            theirs = getattr(other, name)
-            setattr(self, name, torch.cat([getattr(self, name), theirs.repeat_interleave(repeat, dim=0, output_size=len(theirs) * repeat)]))
+            setattr(self, name, torch.cat([getattr(self, name), _repeat(getattr(other, name), repeat)]))
         self.widest, self.longest = max(self.widest, other.widest), max(self.longest, other.longest)
 
     def remove_rows(self, rows: list[int]) -> None:
@@ -132,16 +131,20 @@ class PagedLayer(CacheLayerMixin):
         slots = self.pool.allocate(rows * heads * q_len, owners)
         self.pool.write(slots, key_states.reshape(-1, dim), value_states.reshape(-1, value_states.shape[-1]))
         self._append(slots.view(rows, heads, q_len), start, q_len)
-        self.widest += q_len
-        self.longest += q_len
+        self.host_step(q_len)
         if q_len == 1:
-            self.length = start + 1
+            self.length += 1  # in place: a decode step rebinds no tensor (what a captured CUDA graph needs)
             return key_states, value_states
         if self.evicting and logits is not None:
             # the logits at positions start+1 .. decide tokens start ..
             self.evict |= decided_marks(logits[:, 1:], 0.0, self.pos, self.occupied(), start + 1, q_len - 1)
         self.length = start + q_len
         return self._close_chunk(start, q_len, dim)
+
+    def host_step(self, q_len: int) -> None:
+        """What a pass of ``q_len`` tokens changes on the host (also what a replayed decode graph must add)."""
+        self.widest += q_len
+        self.longest += q_len
 
     def _grow(self, width: int) -> None:
         self.table, self.pos, self.evict = (_widen(t, width) for t in (self.table, self.pos, self.evict))
@@ -208,6 +211,11 @@ class PagedLayer(CacheLayerMixin):
         return -1
 
     get_max_cache_shape = get_max_length  # the pinned transformers (< 5.3)
+
+
+def _repeat(tensor: torch.Tensor, times: int) -> torch.Tensor:
+    """Each row ``times`` times in a row (the output size given: nothing to read from the device)."""
+    return tensor.repeat_interleave(times, dim=0, output_size=len(tensor) * times)
 
 
 def _widen(tensor: torch.Tensor, width: int) -> torch.Tensor:

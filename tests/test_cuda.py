@@ -127,3 +127,31 @@ def test_engine_through_the_kernel_matches_its_reference_attention():
         finally:
             PagedDMSCache.use_triton = None
     assert texts[0] == texts[1]
+
+
+def test_engine_decode_graphs_replay_the_eager_steps():
+    """With CUDA graphs the engine gives the tokens of its eager steps (both bounding the kernel by the table's
+    width, as a graph must), replaying most decode steps, through rows joining and leaving."""
+    from workers.engine import Engine
+    from workers.thread import SamplingParams
+    from tasks.chain_tokenizer import build_tokenizer
+
+    model = tiny("qwen3", seed=1).to("cuda", torch.bfloat16)
+    ratios = {4: random_gates(model, window=3, seed=2)}
+    texts, engines = [], []
+    for graphs in (False, True):
+        engine = Engine(model, build_tokenizer(), AdapterSet(model, ratios), kv_budget_bytes=400_000, max_running=64,
+                        cuda_graphs=graphs)
+        engine.stop = type(engine.stop)(eos=10**6)
+        engine.cache.static_bounds = True
+        for i, cr in enumerate((4, 1, 4)):
+            params = SamplingParams(temperature=0.8, top_p=0.9, max_new_tokens=48 + 16 * i, seed=i)
+            engine.submit(f"{i}", engine.encode("a=17;b=3;c=b*a;d=c-b;?d\n"), [0, 1], params, cr=cr)
+        texts.append({(r.problem_id, r.sample): r.text for r in engine.run()})
+        assert engine.pool.used == 0
+        engine.pool.check()
+        engines.append(engine)
+        engine.close()
+    graphs = engines[1].graphs
+    assert graphs.failure is None and graphs.captures >= 1 and graphs.replays > 40
+    assert texts[0] == texts[1]

@@ -8,6 +8,7 @@ from dms_runtime.attach import attach_dms
 from dms_runtime.kv_pool import KVPool, PoolExhausted
 from tests.test_dms import tiny
 from tests.test_engine import PROMPTS, engine_for, ids, random_gates
+from workers.decode_graph import DecodeGraph, decode_shape
 from workers.sync_probe import SyncProbe
 from workers.thread import SamplingParams
 
@@ -107,3 +108,46 @@ def test_a_decode_step_reads_the_device_once_and_never_waits_inside_the_model():
     engine.run()
     assert engine.pool.used == 0
     engine.pool.check()
+
+
+def test_a_decode_step_rebinds_no_tensor_and_a_replay_adds_its_host_books():
+    """What replaying a captured decode step needs: its device work (``_decode_logits``, ``_sample``) rebinds no state
+    tensor while the tables keep their width, and changes on the host exactly what ``PagedDMSCache.host_step`` adds."""
+    tokenizer = build_tokenizer()
+    model = tiny("qwen3", seed=1)
+    engine = engine_for(model, tokenizer, {4: random_gates(model, window=3, seed=2)})
+    engine.submit("dms", ids(PROMPTS[1]), [0, 1], SamplingParams(temperature=1.0, max_new_tokens=60), cr=4)
+    engine.submit("vanilla", ids(PROMPTS[2]), [0], SamplingParams(temperature=1.0, top_p=0.8, max_new_tokens=60))
+    engine.step()
+    layers, steady = engine.cache.layers, 0
+    for _ in range(30):
+        threads, widths, shape = list(engine.rows), [layer.width for layer in layers], decode_shape(engine)
+        bounds, handed = [(layer.widest, layer.longest) for layer in layers], engine.pool._handed_out
+        with torch.inference_mode():  # as Engine.step runs it
+            packed = engine._sample(engine._decode_logits(), slice(None))
+        assert [(layer.widest, layer.longest) for layer in layers] == [(w + 1, n + 1) for w, n in bounds]
+        assert engine.pool._handed_out == handed + len(threads) * engine.slots_per_token
+        if [layer.width for layer in layers] == widths:
+            assert decode_shape(engine) == shape
+            steady += 1
+        assert not engine._advance(threads, None, packed=packed)
+    assert steady > 20
+
+
+def test_graphs_fall_back_to_eager_steps_when_capture_fails():
+    """On the CPU a capture fails: the engine puts its books back, says why, and gives the tokens it gives without."""
+    tokenizer = build_tokenizer()
+    model = tiny("qwen3", seed=1)
+    adapters = {4: random_gates(model, window=3, seed=2)}
+    texts = []
+    for graphs in (False, True):
+        engine = engine_for(model, tokenizer, adapters)
+        if graphs:
+            engine.graphs = DecodeGraph(engine)
+        engine.submit("p", ids(PROMPTS[1]), [0, 1, 2], SamplingParams(temperature=1.0, max_new_tokens=40, seed=5), cr=4)
+        texts.append({r.sample: r.text for r in engine.run()})
+        assert engine.pool.used == 0
+        engine.pool.check()
+        engine.close()
+    assert texts[0] == texts[1]
+    assert engine.graphs.failure and engine.graphs.captures == 0

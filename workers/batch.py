@@ -59,18 +59,23 @@ class Batch:
     def any_gated(self) -> bool:
         return any(self.gated)
 
+    def filters(self, rows: slice = slice(None)) -> Filters:
+        """What ``rows`` use of the sampler (the whole batch's is kept until rows change)."""
+        whole = rows == slice(None)
+        if whole and self._filters is not None:
+            return self._filters
+        params = self.params[rows]
+        filters = Filters.of([p.temperature for p in params], [p.top_p for p in params], [p.top_k for p in params],
+                             [p.min_p for p in params])
+        if whole:
+            self._filters = filters
+        return filters
+
     def sampling(self, rows: slice) -> tuple:
         """The arguments of :func:`~workers.sampler.sample_rows` after the logits, for ``rows``."""
-        whole = rows == slice(None)
-        filters = self._filters if whole else None
-        if filters is None:
-            params = self.params[rows]
-            filters = Filters.of([p.temperature for p in params], [p.top_p for p in params],
-                                 [p.top_k for p in params], [p.min_p for p in params])
-            if whole:
-                self._filters = filters
         draws = counter_uniforms(self.seed[rows], self.drawn[rows])
-        return self.temperature[rows], self.top_p[rows], draws, self.top_k[rows], self.min_p[rows], filters
+        return (self.temperature[rows], self.top_p[rows], draws, self.top_k[rows], self.min_p[rows],
+                self.filters(rows))
 
     def record(self, tokens: torch.Tensor, rows: slice) -> None:
         """``rows`` drew ``tokens`` (on the device): they feed them next, and their counters move on."""

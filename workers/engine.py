@@ -29,6 +29,7 @@ from dms_runtime.kv_pool import MAX_OWNERS, KVPool
 from dms_runtime.loading import kv_geometry
 from dms_runtime.paged_cache import PagedDMSCache
 from workers.batch import Batch
+from workers.decode_graph import DecodeGraph
 from workers.kv_budget import KVBudgetModel
 from workers.sampler import sample_rows
 from workers.scheduler import Scheduler
@@ -93,7 +94,9 @@ class EngineStats:
 
 class Engine:
     def __init__(self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, adapters: AdapterSet,
-                 kv_budget_bytes: int, max_running: int = 256, eos_ids: Iterable[int] = ()):
+                 kv_budget_bytes: int, max_running: int = 256, eos_ids: Iterable[int] = (), cuda_graphs: bool = False):
+        """``cuda_graphs``: replay the decode step as a CUDA graph while the batch keeps its shape
+        (:mod:`workers.decode_graph`; CUDA only, off by default)."""
         self.model, self.tokenizer, self.adapters = model, tokenizer, adapters
         geometry = kv_geometry(model)
         parameter = next(model.parameters())
@@ -117,6 +120,7 @@ class Engine:
         self.prompt_prefills = 0  # prompts prefilled (once per task and ratio)
         self.tasks: dict[str, EngineTask] = {}
         self._free_owners = list(range(MAX_OWNERS - 1, 0, -1))  # owner 0: slots of no task
+        self.graphs = DecodeGraph(self) if cuda_graphs and parameter.is_cuda else None
 
     def _new_cache(self) -> PagedDMSCache:
         return PagedDMSCache(self.pool, self.layers, self.kv_heads)
@@ -246,13 +250,20 @@ class Engine:
             finished += self._make_room()
         if self.rows:
             threads = list(self.rows)
-            gated = self.batch.any_gated()
-            self.adapters.use_rows(self.batch.adapter, gated)
-            self.cache.set_evicting(gated)
-            logits = self._forward(self.cache, self.batch.next_input[:, None], self.cache.lengths()[:, None])
-            finished += self._advance(threads, logits)
+            replayed = self.graphs.step() if self.graphs is not None else None
+            if replayed is not None:
+                finished += self._advance(threads, None, packed=replayed)
+            else:
+                finished += self._advance(threads, self._decode_logits())
         self.busy_s += time.perf_counter() - began
         return finished
+
+    def _decode_logits(self) -> torch.Tensor:
+        """The decode step's forward pass: one token of every running row, the next logits ``[rows, vocab]``."""
+        gated = self.batch.any_gated()
+        self.adapters.use_rows(self.batch.adapter, gated)
+        self.cache.set_evicting(gated)
+        return self._forward(self.cache, self.batch.next_input[:, None], self.cache.lengths()[:, None])
 
     def run(self, on_result=None) -> list[ThreadResult]:
         """Step until nothing is waiting or running."""
@@ -266,8 +277,9 @@ class Engine:
 
     def _forward(self, cache: PagedDMSCache, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
         device = self.pool.keys.device
-        return self.model(
-            input_ids=input_ids.to(device), position_ids=position_ids.to(device), past_key_values=cache, use_cache=True,
+        return self.model(  # the positions copied: the cache advances its lengths in place during the pass
+            input_ids=input_ids.to(device), position_ids=position_ids.to(device).clone(), past_key_values=cache,
+            use_cache=True,
             attention_mask=None,  # what each query sees comes from the cache's slot tables, not a mask
             cache_position=torch.arange(input_ids.shape[1], device=device),
         ).logits[:, -1]
@@ -323,26 +335,33 @@ class Engine:
         self.batch.add(group, [adapter] * len(group), [0] * len(group))
         return self._advance(group, held.logits.expand(len(group), -1), slice(begin, begin + len(group)))
 
-    def _advance(self, threads: list[Thread], logits: torch.Tensor, rows: slice = slice(None)) -> list[ThreadResult]:
+    def _advance(self, threads: list[Thread], logits: torch.Tensor | None, rows: slice = slice(None),
+                 packed: torch.Tensor | None = None) -> list[ThreadResult]:
         """Sample one token for each of ``threads`` (the batch's ``rows``, rows of ``logits``, in order); retire the
-        finished."""
-        chosen = sample_rows(logits, *self.batch.sampling(rows))
-        logprobs = torch.log_softmax(logits.float(), dim=-1).gather(-1, chosen[:, None])[:, 0]
-        self.batch.record(chosen, rows)
-        tokens, logprobs = self._read_step(chosen, logprobs)
+        finished. ``packed``: what a replayed decode graph sampled already (:meth:`_sample`'s output)."""
+        if packed is None:
+            packed = self._sample(logits, rows)
+        tokens, logprobs = self._read_step(packed, len(threads))
         done = [t for t, token, lp in zip(threads, tokens, logprobs) if t.append(token, lp, t.stop or self.stop)]
         self.tokens_generated += len(threads)
         return self._retire(done)
 
-    def _read_step(self, tokens: torch.Tensor, logprobs: torch.Tensor) -> tuple[list[int], list[float]]:
-        """The step's one read of the device: the sampled tokens and their log-probs, with the pool's slots in use and
-        each layer's longest line, so that the host admits, makes room and sizes the tables without another."""
-        count = len(tokens)
-        packed = read_to_host(torch.cat([tokens.double(), logprobs.double(), self.pool.used_counter().double(),
-                                         self.cache.widest_lines().double()]))
-        self.pool.observe(int(packed[2 * count]))
-        self.cache.observe_widest([int(w) for w in packed[2 * count + 1:]])
-        return [int(t) for t in packed[:count]], packed[count : 2 * count]
+    def _sample(self, logits: torch.Tensor, rows: slice) -> torch.Tensor:
+        """On the device: draw ``rows``' tokens, record them in the batch, and pack what the host reads of the step
+        (the tokens, their log-probs, the pool's slots in use, each layer's longest line) into one tensor."""
+        chosen = sample_rows(logits, *self.batch.sampling(rows))
+        logprobs = torch.log_softmax(logits.float(), dim=-1).gather(-1, chosen[:, None])[:, 0]
+        self.batch.record(chosen, rows)
+        return torch.cat([chosen.double(), logprobs.double(), self.pool.used_counter().double(),
+                          self.cache.widest_lines().double()])
+
+    def _read_step(self, packed: torch.Tensor, count: int) -> tuple[list[int], list[float]]:
+        """The step's one read of the device (:meth:`_sample`'s tensor), so that the host admits, makes room and sizes
+        the tables without another: returns the ``count`` tokens and their log-probs."""
+        values = read_to_host(packed)
+        self.pool.observe(int(values[2 * count]))
+        self.cache.observe_widest([int(w) for w in values[2 * count + 1:]])
+        return [int(t) for t in values[:count]], values[count : 2 * count]
 
     def _retire(self, threads: list[Thread]) -> list[ThreadResult]:
         """Results for finished ``threads`` (what their rows held, read in one go), then their rows leave."""
