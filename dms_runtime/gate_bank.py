@@ -3,8 +3,10 @@
 A :class:`GateBank` stands in for one layer's :class:`~dms_runtime.gates.EvictionGate`: it stacks that
 layer's gate of every loaded adapter and, for each row, applies the adapter the row's thread asked for.
 Row adapter ``-1`` has no gate: its logits never cross the threshold, so the row keeps every token (the
-vanilla model, compression 1). Only the ``adapter`` parametrization can be mixed this way: a repurposed
-query neuron changes the model's own projection for every row.
+vanilla model, compression 1). Every adapter's logits come from one product with the norm folded into the weights,
+and each row then takes its own: no per-row copy of the weights, and the row map stays on the device (the engine
+keeps it there with its rows: :meth:`AdapterSet.use_rows`). Only the ``adapter`` parametrization can be mixed this
+way: a repurposed query neuron changes the model's own projection for every row.
 """
 
 from __future__ import annotations

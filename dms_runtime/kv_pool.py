@@ -177,5 +177,6 @@ class KVPool:
             raise RuntimeError("KV slot released more often than it was referenced")
         top = int(self._top)
         free = self._stack[:top]
-        if int((refs > 0).sum()) != self.capacity - top or free.unique().numel() != top or bool((refs[free] != 0).any()):
+        held = int((refs > 0).sum())
+        if held != self.capacity - top or free.unique().numel() != top or bool((refs[free] != 0).any()):
             raise RuntimeError("KV pool's free stack disagrees with its reference counts")

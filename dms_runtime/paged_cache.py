@@ -124,7 +124,8 @@ class PagedDMSCache(Cache):
 
     def realized_compression(self) -> torch.Tensor:
         """Per row: tokens processed / tokens held, averaged over every layer's KV heads."""
-        ratios = [layer.length[:, None].clamp(min=1).float() / layer.count.clamp(min=1).float() for layer in self.layers]
+        ratios = [layer.length[:, None].clamp(min=1).float() / layer.count.clamp(min=1).float()
+                  for layer in self.layers]
         return torch.cat(ratios, dim=1).mean(dim=1)
 
     def kept_fractions(self, rows: list[int], prompt_lengths: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

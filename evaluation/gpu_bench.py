@@ -12,7 +12,8 @@ bf16 weights on the device (nothing is loaded from anywhere), with DMS gates who
 ``1 - 1/cr`` of the tokens (so past the window they evict toward ``cr``); then, at one KV budget,
 
 * Hugging Face ``generate`` on the vanilla model (its default ``DynamicCache``) with the largest batch that fits;
-* the engine at CR 1 and at DMS-``cr`` with as many threads as its admission lets in;
+* the engine at CR 1 and at DMS-``cr`` with as many threads as its admission lets in, each timed eagerly and then
+  with its decode step replayed as a CUDA graph (``graphs`` in its report; :mod:`workers.decode_graph`);
 
 and one adapter-only retrofit training step (gates trained, weights frozen) at 4K tokens.
 
@@ -32,7 +33,8 @@ held, and the host-device synchronisations per decode step, counted from the war
 ``torch.cuda.set_sync_debug_mode("warn")`` over a few more steps after the timed ones, since raising the warnings
 costs time (CUDA only). The engine's runs also count, on any device, what would make the host wait
 (:class:`~workers.sync_probe.SyncProbe`: ``probe_syncs_per_step``, 0 for a decode step) apart from the reads the
-engine means (``reads_per_step``: one, its tokens, log-probs and counters). JSON goes to stdout and to ``DIR/gpu_bench.json``, a
+engine means (``reads_per_step``: one, its tokens, log-probs and counters). JSON goes to stdout and to
+``DIR/gpu_bench.json``, a
 PNG to ``DIR/gpu_bench.png`` (skipped, with a note, without matplotlib). ``--tiny --device cpu`` runs every
 section on a tiny model in seconds: the suite's smoke test (``tests/test_gpu_bench.py``).
 """
@@ -66,6 +68,7 @@ from dms_runtime.gate_bank import AdapterSet
 from dms_runtime.gates import build_gates
 from dms_runtime.loading import kv_geometry
 from dms_runtime.paged_cache import PagedDMSCache
+from workers.decode_graph import DecodeGraph
 from workers.engine import Engine
 from workers.sync_probe import SyncProbe
 from workers.thread import SamplingParams
@@ -492,11 +495,40 @@ def engine_run(model, adapters: dict, cr: float, plan: Plan, bandwidth: float, w
             "memory_compression": round(float(cache.memory_compression().mean()), 3),
             "preemptions": engine.preemptions,
         }
+        report["graphs"] = graph_steps(engine, plan, device, report["bound_ms"], deadline)
         engine.cancel(TASK)
         report["slots_in_use_after"] = pool.used
         return report
     finally:
         engine.close()
+
+
+def graph_steps(engine: Engine, plan: Plan, device: torch.device, bound_ms: float, deadline: float) -> dict:
+    """The same engine's decode steps as CUDA graphs (:mod:`workers.decode_graph`): one eager step at the shape, the
+    capture, ``warmup`` replays, then ``steps`` timed ones (recaptured if a table grows meanwhile)."""
+    if device.type != "cuda":
+        return {"skipped": "CUDA graphs need a CUDA device"}
+    engine.graphs = DecodeGraph(engine)
+    try:
+        for _ in range(2 + plan.warmup):
+            engine.step()
+        clock = Clock(device)
+        clock.mark()
+        for _ in range(plan.steps):
+            engine.step()
+            clock.mark()
+            if time.perf_counter() > deadline:
+                break
+        intervals = clock.intervals_s()
+        graphs = engine.graphs
+        median = statistics.median(intervals) if intervals else math.nan
+        return {"steps": len(intervals), "median_step_ms": round(1000 * median, 4),
+                "tokens_per_s": round(len(engine.rows) * len(intervals) / sum(intervals), 2) if intervals else None,
+                "ratio_to_bound": round(1000 * median / bound_ms, 3), "captures": graphs.captures,
+                "replays": graphs.replays, "failure": graphs.failure}
+    finally:
+        engine.graphs = None
+        engine.cache.static_bounds = False
 
 
 def retrofit_step(model, source: torch.nn.ModuleList, config: DMSConfig, tokens: int, cr: float, seed: int = 0) -> dict:
@@ -668,7 +700,7 @@ def run(args, argv: list[str], prog: str | None = None) -> dict:
             if "median_step_ms" in outcome:
                 log(f"{name}: {outcome['threads']} threads, {outcome['tokens_per_s']} tokens/s, step "
                     f"{outcome['median_step_ms']} ms, bound {outcome['bound_ms']} ms, "
-                    f"syncs/step {outcome['syncs_per_step']}")
+                    f"syncs/step {outcome['syncs_per_step']}, graphs {outcome.get('graphs')}")
         if name in args.skip:
             report["sections"][name] = {"skipped": f"--skip {name}"}
             return

@@ -48,7 +48,8 @@ def one_run(checkout: Path, args) -> list[dict]:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--base", type=Path, required=True, help="the other checkout (e.g. a git worktree of the base commit)")
+    p.add_argument("--base", type=Path, required=True,
+                   help="the other checkout (e.g. a git worktree of the base commit)")
     p.add_argument("--model", type=Path, default=ROOT / "checkpoints" / "chain-qwen3-dms")
     p.add_argument("--kv-budget", type=int, default=13_500_000, help="bytes (thinkpool bench throughput's 13.5MB)")
     p.add_argument("--max-new-tokens", type=int, default=1000)

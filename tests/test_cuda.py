@@ -119,7 +119,8 @@ def test_engine_through_the_kernel_matches_its_reference_attention():
         PagedDMSCache.use_triton = use_triton
         try:
             engine = _engine(model, ratios)
-            engine.submit("dms", engine.encode("a=17;b=3;c=b*a;d=c-b;?d\n"), [0, 1], SamplingParams(max_new_tokens=40), cr=4)
+            engine.submit("dms", engine.encode("a=17;b=3;c=b*a;d=c-b;?d\n"), [0, 1], SamplingParams(max_new_tokens=40),
+                          cr=4)
             engine.submit("vanilla", engine.encode("a=9;?a\n"), [0], SamplingParams(max_new_tokens=40))
             texts.append({(r.problem_id, r.sample): r.text for r in engine.run()})
             assert engine.pool.used == 0

@@ -92,7 +92,8 @@ def test_a_decode_step_reads_the_device_once_and_never_waits_inside_the_model():
     tokens, log-probs and the counters); nothing in the layers, the sampler or the bookkeeping reads the device."""
     tokenizer = build_tokenizer()
     model = tiny("llama", seed=1)
-    engine = engine_for(model, tokenizer, {2: random_gates(model, window=3, seed=2), 4: random_gates(model, window=5, seed=3)})
+    adapters = {2: random_gates(model, window=3, seed=2), 4: random_gates(model, window=5, seed=3)}
+    engine = engine_for(model, tokenizer, adapters)
     for cr, params in ((1, SamplingParams(temperature=1.0, top_p=0.9, max_new_tokens=80)),
                        (2, SamplingParams(temperature=0.7, top_k=5, min_p=0.05, max_new_tokens=80)),
                        (4, SamplingParams(max_new_tokens=80))):

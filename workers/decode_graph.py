@@ -19,29 +19,27 @@ and without).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 
-if TYPE_CHECKING:
-    from workers.engine import Engine
-
 LINE_STATE = ("table", "pos", "evict", "count", "length", "window", "owner")
-BATCH_STATE = ("next_input", "adapter", "seed", "drawn", "top_k", "temperature", "top_p", "min_p")
+ROW_STATE = ("next_input", "adapter", "seed", "drawn", "top_k", "temperature", "top_p", "min_p")
 
 
-def decode_shape(engine: "Engine") -> tuple:
-    """Everything a captured decode step depends on: each state tensor's address and size, and the host facts."""
-    batch = engine.batch
-    parts: list = [len(engine.rows), batch.any_gated(), batch.filters()]
+def decode_shape(engine) -> tuple:
+    """Everything a captured decode step of ``engine`` (a :class:`~workers.engine.Engine`) depends on: each state
+    tensor's address and size, and the host facts."""
+    state = engine.row_state
+    parts: list = [len(engine.rows), state.any_gated(), state.filters()]
     for layer in engine.cache.layers:
         parts += [(getattr(layer, name).data_ptr(), tuple(getattr(layer, name).shape)) for name in LINE_STATE]
-    parts += [(getattr(batch, name).data_ptr(), tuple(getattr(batch, name).shape)) for name in BATCH_STATE]
+    parts += [(getattr(state, name).data_ptr(), tuple(getattr(state, name).shape)) for name in ROW_STATE]
     return tuple(parts)
 
 
 class DecodeGraph:
-    def __init__(self, engine: "Engine"):
+    """The decode graph of one :class:`~workers.engine.Engine` (which calls :meth:`step` from its own step)."""
+
+    def __init__(self, engine):
         self.engine = engine
         self.graph: torch.cuda.CUDAGraph | None = None
         self.packed: torch.Tensor | None = None  # the graph's output: what the step's one read reads

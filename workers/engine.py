@@ -9,6 +9,12 @@ Each :meth:`Engine.step` first admits what the scheduler allows, then makes room
 (preempting the newest threads if the pool is short), then decodes one token for every running thread, each
 with its own sampling parameters and DMS ratio. Finished threads leave the batch and free their slots at once;
 so do cancelled ones. The pool counts each task's slots, so a thread reports its task's own KV peak.
+
+A decode step runs on the device from end to end (the cache's bookkeeping, the pool, the rows' state in
+:class:`~workers.row_state.RowState`, sampling with counter-based random streams) and reads it back once
+(:meth:`Engine._read_step`): the tokens and log-probs, with the pool's slots in use and each layer's longest line,
+which is all the host needs to admit, make room and size the tables. With ``cuda_graphs`` the step's device work is
+replayed as a CUDA graph while the batch keeps its shape (:mod:`workers.decode_graph`).
 """
 
 from __future__ import annotations
@@ -28,7 +34,7 @@ from dms_runtime.kv_growth import CURVE_POINTS
 from dms_runtime.kv_pool import MAX_OWNERS, KVPool
 from dms_runtime.loading import kv_geometry
 from dms_runtime.paged_cache import PagedDMSCache
-from workers.batch import Batch
+from workers.row_state import RowState
 from workers.decode_graph import DecodeGraph
 from workers.kv_budget import KVBudgetModel
 from workers.sampler import sample_rows
@@ -112,7 +118,7 @@ class Engine:
         self.stop = StopRule.for_tokenizer(tokenizer, eos_ids=self.eos_ids)
         self._stops: dict[tuple, StopRule] = {}
         self.rows: list[Thread] = []  # the running threads, in the cache's row order
-        self.batch = Batch(parameter.device)  # their per-row state on the device, in the same order
+        self.row_state = RowState(parameter.device)  # their per-row state on the device, in the same order
         self._arrivals = 0
         self.tokens_generated = 0
         self.busy_s = 0.0
@@ -260,10 +266,10 @@ class Engine:
 
     def _decode_logits(self) -> torch.Tensor:
         """The decode step's forward pass: one token of every running row, the next logits ``[rows, vocab]``."""
-        gated = self.batch.any_gated()
-        self.adapters.use_rows(self.batch.adapter, gated)
+        gated = self.row_state.any_gated()
+        self.adapters.use_rows(self.row_state.adapter, gated)
         self.cache.set_evicting(gated)
-        return self._forward(self.cache, self.batch.next_input[:, None], self.cache.lengths()[:, None])
+        return self._forward(self.cache, self.row_state.next_input[:, None], self.cache.lengths()[:, None])
 
     def run(self, on_result=None) -> list[ThreadResult]:
         """Step until nothing is waiting or running."""
@@ -327,12 +333,12 @@ class Engine:
             cache, _ = self._prefill(first.tokens[:-1], first.cr, 1, 0, start=held)
             self.cache.extend(cache)
             self.rows.append(first)
-            self.batch.add([first], [adapter], first.tokens[-1:])
+            self.row_state.add([first], [adapter], first.tokens[-1:])
             return []
         self.cache.extend(held.cache, repeat=len(group), keep_source=True)
         begin = len(self.rows)
         self.rows += group
-        self.batch.add(group, [adapter] * len(group), [0] * len(group))
+        self.row_state.add(group, [adapter] * len(group), [0] * len(group))
         return self._advance(group, held.logits.expand(len(group), -1), slice(begin, begin + len(group)))
 
     def _advance(self, threads: list[Thread], logits: torch.Tensor | None, rows: slice = slice(None),
@@ -349,9 +355,9 @@ class Engine:
     def _sample(self, logits: torch.Tensor, rows: slice) -> torch.Tensor:
         """On the device: draw ``rows``' tokens, record them in the batch, and pack what the host reads of the step
         (the tokens, their log-probs, the pool's slots in use, each layer's longest line) into one tensor."""
-        chosen = sample_rows(logits, *self.batch.sampling(rows))
+        chosen = sample_rows(logits, *self.row_state.sampling(rows))
         logprobs = torch.log_softmax(logits.float(), dim=-1).gather(-1, chosen[:, None])[:, 0]
-        self.batch.record(chosen, rows)
+        self.row_state.record(chosen, rows)
         return torch.cat([chosen.double(), logprobs.double(), self.pool.used_counter().double(),
                           self.cache.widest_lines().double()])
 
@@ -396,7 +402,7 @@ class Engine:
         self.cache.remove_rows(rows)
         leaving = set(rows)
         kept = [row for row in range(len(self.rows)) if row not in leaving]
-        self.batch.keep(kept)
+        self.row_state.keep(kept)
         self.rows = [self.rows[row] for row in kept]
 
     def _make_room(self) -> list[ThreadResult]:

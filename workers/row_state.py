@@ -15,7 +15,7 @@ from workers.sampler import Filters, counter_uniforms
 from workers.thread import SamplingParams, Thread
 
 
-class Batch:
+class RowState:
     def __init__(self, device: torch.device | str):
         self.device = torch.device(device)
         self.next_input = torch.zeros(0, dtype=torch.long, device=self.device)  # the token each row feeds next
