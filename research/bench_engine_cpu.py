@@ -5,8 +5,8 @@ four hard problems as the pool holds at once, at each ratio) in a fresh process 
 runs alternate between the two checkouts, so the machine's load falls on both alike. Prints JSON with every run and
 the ratio of medians (this checkout over the other), per ratio.
 
-    git worktree add /tmp/base-engine <commit>
-    .venv/bin/python research/bench_engine_cpu.py --base /tmp/base-engine --runs 3 \\
+    git worktree add /tmp/base-engine <base commit>; git worktree add /tmp/new-engine <new commit>
+    .venv/bin/python research/bench_engine_cpu.py --base /tmp/base-engine --new /tmp/new-engine --runs 3 \\
         --out docs/results/engine_cpu_side_by_side.json
 """
 
@@ -50,6 +50,8 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--base", type=Path, required=True,
                    help="the other checkout (e.g. a git worktree of the base commit)")
+    p.add_argument("--new", type=Path, default=ROOT,
+                   help="this change's checkout (default: this one; a worktree of a commit keeps the runs from edits)")
     p.add_argument("--model", type=Path, default=ROOT / "checkpoints" / "chain-qwen3-dms")
     p.add_argument("--kv-budget", type=int, default=13_500_000, help="bytes (thinkpool bench throughput's 13.5MB)")
     p.add_argument("--max-new-tokens", type=int, default=1000)
@@ -59,7 +61,7 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=1, help="torch threads per run")
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args()
-    checkouts = {"base": args.base.resolve(), "new": ROOT}
+    checkouts = {"base": args.base.resolve(), "new": args.new.resolve()}
     runs: dict[str, list[list[dict]]] = {"base": [], "new": []}
     for index in range(args.runs):
         for name in (("base", "new") if index % 2 == 0 else ("new", "base")):
@@ -75,7 +77,7 @@ def main() -> None:
                                "base_median": round(medians["base"], 1), "new_median": round(medians["new"], 1),
                                "new_over_base": round(medians["new"] / medians["base"], 3),
                                "threads": [run[position]["threads"] for run in runs["new"]]}
-    git = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+    git = subprocess.run(["git", "rev-parse", "HEAD"], cwd=args.new, capture_output=True, text=True).stdout.strip()
     base = subprocess.run(["git", "rev-parse", "HEAD"], cwd=args.base, capture_output=True, text=True).stdout.strip()
     report = {"command": "python research/bench_engine_cpu.py " + " ".join(sys.argv[1:]), "new_commit": git,
               "base_commit": base, "model": str(args.model.relative_to(ROOT) if args.model.is_relative_to(ROOT)
