@@ -36,6 +36,8 @@ class KVPool:
         self.capacity = int(budget_bytes) // self.slot_bytes
         if self.capacity < 1:
             raise ValueError(f"kv budget of {budget_bytes} bytes is smaller than one slot ({self.slot_bytes} bytes)")
+        if self.capacity >= 2**31:  # the cache's tables hold slots as int32
+            raise ValueError(f"kv budget of {budget_bytes} bytes is more than 2**31 slots of {self.slot_bytes} bytes")
         self.keys = torch.zeros(self.capacity, head_dim, dtype=dtype, device=device)
         self.values = torch.zeros(self.capacity, head_dim, dtype=dtype, device=device)
         # Per-slot tables have one entry more, ``trash``: masked-out entries of a static-shape update land there.

@@ -34,13 +34,13 @@ from dms_runtime.kv_growth import CURVE_POINTS
 from dms_runtime.kv_pool import MAX_OWNERS, KVPool
 from dms_runtime.loading import kv_geometry
 from dms_runtime.paged_cache import PagedDMSCache
-from workers.row_state import RowState
 from workers.decode_graph import DecodeGraph
 from workers.kv_budget import KVBudgetModel
+from workers.records import ThreadResult
+from workers.row_state import RowState
 from workers.sampler import sample_rows
 from workers.scheduler import Scheduler
 from workers.sync_probe import read_to_host
-from workers.records import ThreadResult
 from tasks.families import TaskFamily
 from workers.thread import SamplingParams, StopRule, Thread
 
