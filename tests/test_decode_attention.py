@@ -238,10 +238,13 @@ def test_the_engine_decodes_through_the_kernel(interpreter, monkeypatch):
 
     expected = run()
     calls = []
-    kernel = decode_attention_triton
+
+    def kernel(*args, max_length=None):  # splits of 16 entries: lines past 16 are combined from partials
+        calls.append(max_length)
+        return decode_attention_triton(*args, max_length=max_length, split_size=16)
+
     monkeypatch.setattr(PagedDMSCache, "use_triton", True)
-    monkeypatch.setattr(sys.modules[decode_attention.__module__], "decode_attention_triton",
-                        lambda *args, **kwargs: calls.append(kwargs.get("max_length")) or kernel(*args, **kwargs))
+    monkeypatch.setattr(sys.modules[decode_attention.__module__], "decode_attention_triton", kernel)
     assert run() == expected
-    assert calls and all(bound is not None for bound in calls)
+    assert calls and all(bound is not None for bound in calls) and max(calls) > 16
     assert expected[("dms", 0)][1] > 1.2  # the gates evicted
