@@ -8,7 +8,9 @@ and find their gate logits (set by a pre-hook, see :mod:`dms_runtime.attach`) on
   from the noisy, temperature-scaled gate in the forward pass with a straight-through gradient. On the CPU
   it runs through the fused kernel of :mod:`dms_runtime.evicting_attention`.
 * Inference (``"infer"``): attention over the slots of a :class:`~dms_runtime.cache.DMSCache`, with the
-  visibility mask the cache computes (occupied, causal, padding, and delayed eviction).
+  visibility mask the cache computes (occupied, causal, padding, and delayed eviction); a cache that reads its
+  own storage (the engine's :class:`~dms_runtime.paged_cache.PagedDMSCache`, whose ``attend`` reads the KV pool)
+  computes the attention itself.
 * Probe (``"probe"``): the vanilla model's attention, its probabilities also written out so that it can report, per
   KV head and key, the most attention the key receives from any query more than ``w`` positions later
   (:func:`far_attention`): what a key is still needed for once it has left the window. Retrofit uses it
@@ -96,18 +98,22 @@ def dms_attention(module, query, key, value, attention_mask, dropout=0.0, scalin
         query[:, zeroed, :, -1] = 0
     state: LayerState | None = getattr(module, "dms", None)
     if state is None or state.mode == "off":
-        return _sdpa(module, query, key, value, _base_mask(attention_mask, query.shape[2], key.shape[2], query.device), scaling)
+        allowed = _base_mask(attention_mask, query.shape[2], key.shape[2], query.device)
+        return grouped_sdpa(query, key, value, allowed, scaling), None
     if state.mode == "train":
         return _train_attention(module, state, query, key, value, attention_mask, scaling)
     if state.mode == "probe":
         return _probe_attention(module, state, query, key, value, attention_mask, scaling)
+    attend = getattr(state.cache, "attend", None)  # the engine's PagedDMSCache reads its pool itself
+    if attend is not None:
+        return attend(module.layer_idx, query, key, value, scaling), None
     visible = state.cache.visibility(module.layer_idx, attention_mask)  # [B, kv_heads, q, slots]
-    return _sdpa(module, query, key, value, visible, scaling)
+    return grouped_sdpa(query, key, value, visible, scaling), None
 
 
-def _sdpa(module, query, key, value, visible: torch.Tensor, scaling):
-    """Attention of ``query [B, Hq, q, D]`` over ``key/value [B, Hkv, k, D]`` with a per-KV-head mask (boolean,
-    or float: added to the scores).
+def grouped_sdpa(query, key, value, visible: torch.Tensor, scaling) -> torch.Tensor:
+    """Attention ``[B, q, Hq, D]`` of ``query [B, Hq, q, D]`` over ``key/value [B, Hkv, k, D]`` with a per-KV-head
+    mask (boolean, or float: added to the scores).
 
     The query heads of a KV group are folded into that group's query axis, so keys and values are never
     repeated per query head (the mask is repeated when q > 1)."""
@@ -119,7 +125,7 @@ def _sdpa(module, query, key, value, visible: torch.Tensor, scaling):
     if q_len > 1 and groups > 1:
         mask = mask[:, :, None].expand(-1, -1, groups, -1, -1).reshape(mask.shape[0], kv_heads, groups * q_len, -1)
     out = F.scaled_dot_product_attention(folded, key.to(query.dtype), value.to(query.dtype), attn_mask=mask, scale=scaling)
-    return out.reshape(batch, heads, q_len, dim).transpose(1, 2).contiguous(), None
+    return out.reshape(batch, heads, q_len, dim).transpose(1, 2).contiguous()
 
 
 def _train_attention(module, state: LayerState, query, key, value, attention_mask, scaling):
@@ -138,8 +144,8 @@ def _bias_mask_attention(query, key, value, alpha: torch.Tensor, allowed: torch.
     differentiates the mask (the gates' straight-through gradient): 1.5x faster than the attention written out,
     and what CUDA runs. The CPU's fused kernel (:mod:`dms_runtime.evicting_attention`) is faster still
     (``research/bench_training.py``)."""
-    bias = eviction_bias(alpha, query.shape[2], window)  # [B, decisions, q, k]; _sdpa spreads one decision over all KV heads
-    return _sdpa(None, query, key, value, bias.to(query.dtype).masked_fill(~allowed, float("-inf")), scaling)[0]
+    bias = eviction_bias(alpha, query.shape[2], window)  # [B, decisions, q, k]; spread over all KV heads below
+    return grouped_sdpa(query, key, value, bias.to(query.dtype).masked_fill(~allowed, float("-inf")), scaling)
 
 
 def _attention_probs(query, key, allowed: torch.Tensor, scaling, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -174,7 +180,7 @@ def _probe_attention(module, state: LayerState, query, key, value, attention_mas
     """The vanilla output through SDPA; the probabilities written out only for :func:`far_attention`."""
     allowed = _base_mask(attention_mask, query.shape[2], key.shape[2], query.device)
     state.far_attention = far_attention(_attention_probs(query, key, allowed, scaling), key.shape[1], state.window).detach()
-    return _sdpa(module, query, key, value, allowed, scaling)
+    return grouped_sdpa(query, key, value, allowed, scaling), None
 
 
 AttentionInterface.register("dms", dms_attention)

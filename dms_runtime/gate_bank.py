@@ -3,8 +3,10 @@
 A :class:`GateBank` stands in for one layer's :class:`~dms_runtime.gates.EvictionGate`: it stacks that
 layer's gate of every loaded adapter and, for each row, applies the adapter the row's thread asked for.
 Row adapter ``-1`` has no gate: its logits never cross the threshold, so the row keeps every token (the
-vanilla model, compression 1). Only the ``adapter`` parametrization can be mixed this way: a repurposed
-query neuron changes the model's own projection for every row.
+vanilla model, compression 1). Every adapter's logits come from one product with the norm folded into the weights,
+and each row then takes its own: no per-row copy of the weights, and the row map stays on the device (the engine
+keeps it there with its rows: :meth:`AdapterSet.use_rows`). Only the ``adapter`` parametrization can be mixed this
+way: a repurposed query neuron changes the model's own projection for every row.
 """
 
 from __future__ import annotations
@@ -27,35 +29,37 @@ NEVER = -1e9
 class GateBank(nn.Module):
     def __init__(self, gates: list[EvictionGate], configs: list[DMSConfig], hidden_size: int, num_kv_heads: int):
         super().__init__()
-        weights, norms = [], []
+        weights = []
         for gate, config in zip(gates, configs):
             if config.parametrization != "adapter":
                 raise ValueError("only adapter-parametrized DMS gates can be mixed per row")
-            weights.append(gate.weight.detach().float().expand(num_kv_heads, -1))  # a per-layer decision serves every head
-            norms.append(gate.norm.weight.detach().float())
-        self.register_buffer("weight", torch.stack(weights) if weights else torch.zeros(0, num_kv_heads, hidden_size))
-        self.register_buffer("norm_weight", torch.stack(norms) if norms else torch.zeros(0, hidden_size))
+            # A per-layer decision serves every head; the norm's weight is folded into the map.
+            weight = gate.weight.detach().float().expand(num_kv_heads, -1)
+            weights.append(weight * gate.norm.weight.detach().float())
+        # [adapters * kv_heads, hidden]: every adapter's logits come from one product, then each row takes its own
+        self.register_buffer("weight", torch.cat(weights) if weights else torch.zeros(0, hidden_size))
         self.register_buffer("scale", torch.tensor([c.logit_scale for c in configs], dtype=torch.float32))
         self.register_buffer("offset", torch.tensor([c.init_offset - c.threshold for c in configs], dtype=torch.float32))
         self.eps = 1e-6
         self.num_kv_heads = num_kv_heads
         self.query_channels: list[int] = []
-        self.row_adapter = torch.zeros(0, dtype=torch.long)
+        self.row_adapter = torch.zeros(0, dtype=torch.long)  # per row, on the model's device (AdapterSet.use_rows)
+        self.gated = True  # host: whether any row has a gate
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits ``[rows, q, kv_heads]`` (threshold folded in: evict where > 0)."""
         rows, q_len, _ = hidden.shape
-        index = self.row_adapter.to(hidden.device)
+        index = self.row_adapter
         if len(index) != rows:
             raise ValueError(f"gate bank has adapters for {len(index)} rows, the batch has {rows}")
-        if not len(self.weight):
+        if not len(self.weight) or not self.gated:
             return hidden.new_full((rows, q_len, self.num_kv_heads), NEVER, dtype=torch.float32)
-        safe = index.clamp(min=0)
         x = hidden.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.norm_weight[safe][:, None, :]
-        logits = torch.einsum("bqh,bdh->bqd", x, self.weight[safe])
-        logits = logits * self.scale[safe][:, None, None] + self.offset[safe][:, None, None]
-        return logits.masked_fill((index == NO_GATE)[:, None, None], NEVER)
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        every = nn.functional.linear(x, self.weight).view(rows, q_len, len(self.scale), self.num_kv_heads)
+        every = every * self.scale[:, None] + self.offset[:, None]
+        pick = index.clamp(min=0)[:, None, None, None].expand(rows, q_len, 1, self.num_kv_heads)
+        return every.gather(2, pick)[:, :, 0].masked_fill((index == NO_GATE)[:, None, None], NEVER)
 
 
 class AdapterSet:
@@ -88,9 +92,17 @@ class AdapterSet:
         return 0 if cr == 1 else self.windows[cr]
 
     def set_rows(self, row_ratios: list[float]) -> None:
-        index = torch.tensor([self.index(cr) for cr in row_ratios], dtype=torch.long)
+        """Each row's ratio, from the host (one copy to the device)."""
+        device = next(self.handle.model.parameters()).device
+        index = torch.tensor([self.index(cr) for cr in row_ratios], dtype=torch.long, device=device)
+        self.use_rows(index, any(cr != 1 for cr in row_ratios))
+
+    def use_rows(self, index: torch.Tensor, gated: bool = True) -> None:
+        """Each row's bank index (``NO_GATE`` for 1), already on the model's device (the engine keeps it there with
+        its rows); ``gated``: whether any row has a gate (a host fact: with none, the banks compute nothing)."""
         for bank in self.banks:
             bank.row_adapter = index
+            bank.gated = gated
 
     def detach(self) -> None:
         self.handle.detach()

@@ -12,7 +12,8 @@ bf16 weights on the device (nothing is loaded from anywhere), with DMS gates who
 ``1 - 1/cr`` of the tokens (so past the window they evict toward ``cr``); then, at one KV budget,
 
 * Hugging Face ``generate`` on the vanilla model (its default ``DynamicCache``) with the largest batch that fits;
-* the engine at CR 1 and at DMS-``cr`` with as many threads as its admission lets in;
+* the engine at CR 1 and at DMS-``cr`` with as many threads as its admission lets in, each timed eagerly and then
+  with its decode step replayed as a CUDA graph (``graphs`` in its report; :mod:`workers.decode_graph`);
 
 and one adapter-only retrofit training step (gates trained, weights frozen) at 4K tokens.
 
@@ -20,7 +21,7 @@ and one adapter-only retrofit training step (gates trained, weights frozen) at 4
 would take thousands of decode steps (minutes per run), past the budget of the whole command. So each engine run
 prefills its 1K-token prompt through the model (the shared held prompt, its gates deciding what the prompt keeps),
 then writes each thread's own tokens up to ``--context`` through the cache's own interface (``set_gate_logits``,
-``update``, ``visibility``: what the attention path calls), with random K/V and gate logits that mark a token with
+``update``: what the attention path calls, as prefill chunks), with random K/V and gate logits that mark a token with
 probability ``1 - 1/cr``, and so the pool holds what an 8K-token thread at that ratio holds. Hugging Face's
 ``DynamicCache`` is filled with random K/V of the same length. The timed steps are then real: the model, the gates,
 eviction, sampling, the engine's bookkeeping. What is not measured is prefill and the long-run scheduling of
@@ -30,7 +31,10 @@ Every run reports its threads, tokens/s, the median decode step, the step's band
 step, the input embedding aside, plus the KV bytes held, over the measured copy bandwidth), their ratio, the KV
 held, and the host-device synchronisations per decode step, counted from the warnings of
 ``torch.cuda.set_sync_debug_mode("warn")`` over a few more steps after the timed ones, since raising the warnings
-costs time (CUDA only). JSON goes to stdout and to ``DIR/gpu_bench.json``, a
+costs time (CUDA only). The engine's runs also count, on any device, what would make the host wait
+(:class:`~workers.sync_probe.SyncProbe`: ``probe_syncs_per_step``, 0 for a decode step) apart from the reads the
+engine means (``reads_per_step``: one, its tokens, log-probs and counters). JSON goes to stdout and to
+``DIR/gpu_bench.json``, a
 PNG to ``DIR/gpu_bench.png`` (skipped, with a note, without matplotlib). ``--tiny --device cpu`` runs every
 section on a tiny model in seconds: the suite's smoke test (``tests/test_gpu_bench.py``).
 """
@@ -64,7 +68,9 @@ from dms_runtime.gate_bank import AdapterSet
 from dms_runtime.gates import build_gates
 from dms_runtime.loading import kv_geometry
 from dms_runtime.paged_cache import PagedDMSCache
+from workers.decode_graph import DecodeGraph
 from workers.engine import Engine
+from workers.sync_probe import SyncProbe
 from workers.thread import SamplingParams
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -395,13 +401,14 @@ def hf_generate_run(model, plan: Plan, bandwidth: float, weights_read: int, dead
 def fill_synthetic(cache: PagedDMSCache, target: int, chunk: int, mark_fraction: float, deadline: float) -> int:
     """Write random tokens into every row of ``cache`` until each holds ``target`` positions (or time runs out),
     ``chunk`` at a time, through the interface the attention path uses: the gate logits (marking a token with
-    probability ``mark_fraction``), ``update``, then ``visibility``, which releases what has expired. Returns the
-    rows' length reached."""
+    probability ``mark_fraction``), then ``update``, which decides, releases what has expired and packs each head's
+    line as a prefill chunk does. Returns the rows' length reached."""
     layer0 = cache.layers[0]
     rows, heads = layer0.table.shape[0], layer0.table.shape[1]
     pool = cache.pool
     length = int(cache.lengths().min())
     noise = torch.randn(rows, heads, chunk, pool.head_dim, dtype=pool.keys.dtype, device=pool.keys.device)
+    cache.set_evicting(mark_fraction > 0)
     while length < target and time.perf_counter() < deadline:
         q = min(chunk, target - length)
         states = noise[:, :, :q]
@@ -410,7 +417,6 @@ def fill_synthetic(cache: PagedDMSCache, target: int, chunk: int, mark_fraction:
                 marks = torch.rand(rows, q, heads, device=pool.keys.device) < mark_fraction
                 cache.set_gate_logits(index, torch.where(marks, 1.0, -1.0))
             cache.update(states, states, index)
-            cache.visibility(index)
         length += q
     return length
 
@@ -474,21 +480,55 @@ def engine_run(model, adapters: dict, cr: float, plan: Plan, bandwidth: float, w
             counter.arm()
             for _ in range(plan.sync_steps):
                 engine.step()
+        with SyncProbe() as probe:  # on any device: what would make the host wait, and the reads the engine means
+            for _ in range(plan.sync_steps):
+                engine.step()
         intervals = clock.intervals_s()
         report = step_report(method, cr, len(engine.rows), intervals, held, weights_read, bandwidth,
                              counter.count, plan.sync_steps)
         report |= {
+            "probe_syncs_per_step": round(probe.syncs / plan.sync_steps, 2), "probe_ops": dict(probe.ops),
+            "reads_per_step": round(probe.reads / plan.sync_steps, 2),
             "admitted": admitted, "context_tokens": reached, "prompt_tokens": plan.prompt, "fill_s": round(fill_s, 2),
             "kv_read_bytes": int(cache.held_slots().sum()) * pool.slot_bytes,  # each row reads the shared prompt
             "kv_peak_bytes": pool.high_water_bytes, "kv_budget_bytes": pool.budget_bytes,
             "memory_compression": round(float(cache.memory_compression().mean()), 3),
             "preemptions": engine.preemptions,
         }
+        report["graphs"] = graph_steps(engine, plan, device, report["bound_ms"], deadline)
         engine.cancel(TASK)
         report["slots_in_use_after"] = pool.used
         return report
     finally:
         engine.close()
+
+
+def graph_steps(engine: Engine, plan: Plan, device: torch.device, bound_ms: float, deadline: float) -> dict:
+    """The same engine's decode steps as CUDA graphs (:mod:`workers.decode_graph`): one eager step at the shape, the
+    capture, ``warmup`` replays, then ``steps`` timed ones (recaptured if a table grows meanwhile)."""
+    if device.type != "cuda":
+        return {"skipped": "CUDA graphs need a CUDA device"}
+    engine.graphs = DecodeGraph(engine)
+    try:
+        for _ in range(2 + plan.warmup):
+            engine.step()
+        clock = Clock(device)
+        clock.mark()
+        for _ in range(plan.steps):
+            engine.step()
+            clock.mark()
+            if time.perf_counter() > deadline:
+                break
+        intervals = clock.intervals_s()
+        graphs = engine.graphs
+        median = statistics.median(intervals) if intervals else math.nan
+        return {"steps": len(intervals), "median_step_ms": round(1000 * median, 4),
+                "tokens_per_s": round(len(engine.rows) * len(intervals) / sum(intervals), 2) if intervals else None,
+                "ratio_to_bound": round(1000 * median / bound_ms, 3), "captures": graphs.captures,
+                "replays": graphs.replays, "failure": graphs.failure}
+    finally:
+        engine.graphs = None
+        engine.cache.static_bounds = False
 
 
 def retrofit_step(model, source: torch.nn.ModuleList, config: DMSConfig, tokens: int, cr: float, seed: int = 0) -> dict:
@@ -660,7 +700,7 @@ def run(args, argv: list[str], prog: str | None = None) -> dict:
             if "median_step_ms" in outcome:
                 log(f"{name}: {outcome['threads']} threads, {outcome['tokens_per_s']} tokens/s, step "
                     f"{outcome['median_step_ms']} ms, bound {outcome['bound_ms']} ms, "
-                    f"syncs/step {outcome['syncs_per_step']}")
+                    f"syncs/step {outcome['syncs_per_step']}, graphs {outcome.get('graphs')}")
         if name in args.skip:
             report["sections"][name] = {"skipped": f"--skip {name}"}
             return

@@ -9,16 +9,17 @@ mkdir -p "$OUT"
 PY=.venv/bin/python
 run() { PYTHONPATH="$1" "$PY" -m orchestrator.cli "${@:2}"; }
 [ -f "$OUT/problems.jsonl" ] || run "$HEAD_DIR" generate --n 100 --k 1-20 --seed 3501 --output "$OUT/problems.jsonl"
-run "$HEAD_DIR" solve "a=7;b=42;c=a+b;d=c*a;e=d-b;?e" > "$OUT/solve_head.txt" 2>/dev/null
-run "$BASE" solve "a=7;b=42;c=a+b;d=c*a;e=d-b;?e" > "$OUT/solve_base.txt" 2>/dev/null
-for side in base head; do
+for side in base head; do  # what is already measured in OUT is kept
   dir=$BASE; [ $side = head ] && dir=$HEAD_DIR
-  run "$dir" eval --problems "$OUT/problems.jsonl" --workers 0 --json --output "$OUT/greedy_$side.jsonl" > "$OUT/greedy_$side.json"
+  [ -s "$OUT/solve_$side.txt" ] || run "$dir" solve "a=7;b=42;c=a+b;d=c*a;e=d-b;?e" > "$OUT/solve_$side.txt" 2>/dev/null
+  [ -s "$OUT/greedy_$side.json" ] || run "$dir" eval --problems "$OUT/problems.jsonl" --workers 0 --json \
+    --output "$OUT/greedy_$side.jsonl" > "$OUT/greedy_$side.json"
 done
 for i in $(seq "$RUNS"); do
   for side in base head; do
     dir=$BASE; [ $side = head ] && dir=$HEAD_DIR
-    run "$dir" bench throughput --kv-budget 13.5MB --model checkpoints/chain-qwen3-dms --json > "$OUT/throughput_${side}_$i.json"
+    run "$dir" bench throughput --kv-budget 13.5MB --model checkpoints/chain-qwen3-dms --cr 1 8 --json \
+      > "$OUT/throughput_${side}_$i.json"
   done
 done
 "$PY" - "$OUT" "$RUNS" <<'PY'

@@ -248,7 +248,10 @@ def test_a_real_solve_on_the_shipped_model():
     controller = Controller(pool, profile(max_new_tokens=300), KV_PER_TOKEN, [1])
     state = asyncio.run(controller.solve("easy", "a=3;b=4;c=a*b;d=c+a;?d", ids("a=3;b=4;c=a*b;d=c+a;?d"), Budget(kv_budget_bytes=8_000_000)))
     assert state["answer"] == "15" and state["k"] == 2
-    assert state["votes"]["15"] > len(state["threads"]) / 2 and state["stop_reason"] in ("settled", "planned", "confident")
+    # The controller stops on its own: the vote settled, the plan was done, or (a sampled thread disagreeing) the
+    # profile expected no gain from more threads; not for the budget.
+    assert state["votes"]["15"] > len(state["threads"]) / 2
+    assert state["stop_reason"] in ("settled", "planned", "confident", "no_expected_gain")
     assert state["rounds"][1] == {"event": "round", "cr": 1, "threads": 1, "greedy": True}
 
 

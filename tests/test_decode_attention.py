@@ -210,3 +210,41 @@ def test_cuda_kernel_matches_reference(monkeypatch, dtype):
             out = decode_attention_triton(q, k_pool, v_pool, table, lengths, 128**-0.5, use_dot=use_dot, split_size=split_size)
             assert not out.isnan().any()
             torch.testing.assert_close(out, expected, **TOLERANCE[dtype])
+
+
+def test_the_engine_decodes_through_the_kernel(interpreter, monkeypatch):
+    """The engine with the Triton kernel (interpreted) in its decode steps gives the tokens of its CPU path: the
+    kernel reads the engine's own tables (int32 lines, per-head counts, the host's bound) over evicting DMS rows, a
+    vanilla row and a shared prompt."""
+    from dms_runtime.paged_cache import PagedDMSCache
+    from tests.test_dms import tiny
+    from tests.test_engine import PROMPTS, engine_for, ids, random_gates
+    from tasks.chain_tokenizer import build_tokenizer
+    from workers.thread import SamplingParams
+
+    tokenizer = build_tokenizer()
+    model = tiny("qwen3", seed=1)
+    adapters = {4: random_gates(model, window=3, seed=2)}
+
+    def run() -> dict:
+        engine = engine_for(model, tokenizer, adapters)
+        greedy = SamplingParams(max_new_tokens=20)
+        engine.submit("dms", ids(PROMPTS[1]), [0, 1], greedy, cr=4)
+        engine.submit("vanilla", ids(PROMPTS[2]), [0], greedy)
+        results = {(r.problem_id, r.sample): (r.text, r.realized_cr) for r in engine.run()}
+        assert engine.pool.used == 0
+        engine.close()
+        return results
+
+    expected = run()
+    calls = []
+
+    def kernel(*args, max_length=None):  # splits of 16 entries: lines past 16 are combined from partials
+        calls.append(max_length)
+        return decode_attention_triton(*args, max_length=max_length, split_size=16)
+
+    monkeypatch.setattr(PagedDMSCache, "use_triton", True)
+    monkeypatch.setattr(sys.modules[decode_attention.__module__], "decode_attention_triton", kernel)
+    assert run() == expected
+    assert calls and all(bound is not None for bound in calls) and max(calls) > 16
+    assert expected[("dms", 0)][1] > 1.2  # the gates evicted

@@ -14,6 +14,7 @@ from dms_runtime.attach import attach_dms
 from tasks.chain_tokenizer import build_tokenizer
 from workers.engine import BudgetError, Engine
 from workers.kv_budget import KVBudgetModel, group_tokens_per_head, threads_that_fit
+from workers.sampler import counter_uniforms
 from workers.thread import SamplingParams
 
 from tests.test_dms import tiny
@@ -95,6 +96,7 @@ def test_dms_rows_match_the_dms_cache_and_ratios_mix_in_one_batch(kind, per_head
     assert all(r.realized_cr > 1.2 for r in results)  # the gates really evicted
     assert all(1.0 < r.kv_cr <= r.realized_cr + 1e-6 for r in results)  # a ratio of sums never exceeds the mean of ratios
     assert engine.pool.used == 0  # every slot came back
+    engine.pool.check()
 
 
 def test_same_seed_same_thread_whatever_shares_the_batch(tokenizer):
@@ -110,6 +112,21 @@ def test_same_seed_same_thread_whatever_shares_the_batch(tokenizer):
     together = texts(crowd.run())
     assert alone_text == together[("p", 3)]
     assert len({together[("p", i)] for i in range(4)}) > 1  # different threads really differ
+
+
+def test_a_threads_random_stream_is_its_seed_and_its_token_count():
+    seeds = torch.tensor([0, 1, 2**62 + 5, 7])
+    counters = torch.tensor([0, 0, 3, 9])
+    drawn = counter_uniforms(seeds, counters)
+    assert len(set(drawn.tolist())) == 4
+    assert torch.equal(counter_uniforms(seeds[2:3], counters[2:3]), drawn[2:3])  # alone or in any batch order
+    assert torch.equal(counter_uniforms(seeds.flip(0), counters.flip(0)), drawn.flip(0))
+    n = 20_000
+    for stream in (counter_uniforms(torch.full((n,), 12345), torch.arange(n)),  # one thread's successive draws
+                   counter_uniforms(torch.arange(n), torch.zeros(n, dtype=torch.long))):  # many threads' first
+        assert 0 < stream.min() and stream.max() < 1
+        assert (torch.histc(stream.float(), bins=10, min=0, max=1) - n / 10).abs().max() < 200  # ~5 sigma
+        assert abs(torch.corrcoef(torch.stack([stream[:-1], stream[1:]]))[0, 1]) < 0.05
 
 
 def test_shared_prompt_is_prefilled_once_and_referenced_by_every_thread(tokenizer):
@@ -168,6 +185,8 @@ def test_pool_is_never_overrun_and_preempted_threads_resume_identically(tokenize
     assert any(r.preemptions for r in results)
     assert texts(results) == expected
     assert len(results) == 12
+    assert tight.pool.used == 0
+    tight.pool.check()
 
 
 def test_cancel_frees_memory_at_once(tokenizer):
@@ -345,6 +364,7 @@ def test_a_kept_task_prefills_its_prompt_once_across_requests_and_reports_its_ow
     assert 0 < max(task_peak, other_peak) <= engine.pool.high_water_bytes <= task_peak + other_peak
     engine.close_task("task")
     assert engine.pool.used == 0 and not engine.tasks and not engine.scheduler.held
+    engine.pool.check()
 
 
 def test_cancelling_a_task_stops_all_its_requests_and_frees_its_prompt(tokenizer):

@@ -53,6 +53,7 @@ def test_the_smoke_reports_every_run_with_finite_figures(smoke):
         assert run["context_tokens"] == report["config"]["context_tokens"]
     for run in (runs["engine"], runs["engine_dms"]):
         assert run["admitted"] == run["threads"] and run["preemptions"] == 0 and run["slots_in_use_after"] == 0
+        assert run["probe_syncs_per_step"] == 0 and run["reads_per_step"] == 1, run["probe_ops"]  # one read a step
     # At 8x the pool holds several times the threads of CR 1 (the window is a large part of a tiny thread).
     assert runs["engine_dms"]["threads"] >= 3 * runs["engine"]["threads"]
     assert runs["engine_dms"]["memory_compression"] > 3 and runs["engine"]["memory_compression"] == 1

@@ -215,9 +215,9 @@ def test_the_repurposed_channel_is_zero_in_the_queries_attention_sees(tmp_path, 
     model = load(path)
     adapters = NvidiaAdapterSet(model, load_nvidia_layout(model, path))
     seen = []
-    original = dms_attention_module._sdpa
-    monkeypatch.setattr(dms_attention_module, "_sdpa",
-                        lambda module, query, *rest: seen.append(query) or original(module, query, *rest))
+    original = dms_attention_module.grouped_sdpa
+    monkeypatch.setattr(dms_attention_module, "grouped_sdpa",
+                        lambda query, *rest: seen.append(query) or original(query, *rest))
     ids = torch.randint(3, VOCAB, (2, 12))
     for ratios in ([CR, CR], [1.0, CR], [1.0, 1.0]):  # the channel stays zero at every ratio, eviction off included
         adapters.set_rows(ratios)

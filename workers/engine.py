@@ -9,6 +9,12 @@ Each :meth:`Engine.step` first admits what the scheduler allows, then makes room
 (preempting the newest threads if the pool is short), then decodes one token for every running thread, each
 with its own sampling parameters and DMS ratio. Finished threads leave the batch and free their slots at once;
 so do cancelled ones. The pool counts each task's slots, so a thread reports its task's own KV peak.
+
+A decode step runs on the device from end to end (the cache's bookkeeping, the pool, the rows' state in
+:class:`~workers.row_state.RowState`, sampling with counter-based random streams) and reads it back once
+(:meth:`Engine._read_step`): the tokens and log-probs, with the pool's slots in use and each layer's longest line,
+which is all the host needs to admit, make room and size the tables. With ``cuda_graphs`` the step's device work is
+replayed as a CUDA graph while the batch keeps its shape (:mod:`workers.decode_graph`).
 """
 
 from __future__ import annotations
@@ -28,10 +34,14 @@ from dms_runtime.kv_growth import CURVE_POINTS
 from dms_runtime.kv_pool import MAX_OWNERS, KVPool
 from dms_runtime.loading import kv_geometry
 from dms_runtime.paged_cache import PagedDMSCache
+from workers.decode_graph import DecodeGraph
 from workers.kv_budget import KVBudgetModel
+from workers.records import ThreadResult
+from workers.row_state import RowState
 from workers.sampler import sample_rows
 from workers.scheduler import Scheduler
-from workers.records import ThreadResult, ThreadTokens
+from workers.records import ThreadTokens
+from workers.sync_probe import read_to_host
 from tasks.families import TaskFamily
 from workers.thread import SamplingParams, StopRule, Thread
 
@@ -91,7 +101,9 @@ class EngineStats:
 
 class Engine:
     def __init__(self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, adapters: AdapterSet,
-                 kv_budget_bytes: int, max_running: int = 256, eos_ids: Iterable[int] = ()):
+                 kv_budget_bytes: int, max_running: int = 256, eos_ids: Iterable[int] = (), cuda_graphs: bool = False):
+        """``cuda_graphs``: replay the decode step as a CUDA graph while the batch keeps its shape
+        (:mod:`workers.decode_graph`; CUDA only, off by default)."""
         self.model, self.tokenizer, self.adapters = model, tokenizer, adapters
         geometry = kv_geometry(model)
         parameter = next(model.parameters())
@@ -107,7 +119,7 @@ class Engine:
         self.stop = StopRule.for_tokenizer(tokenizer, eos_ids=self.eos_ids)
         self._stops: dict[tuple, StopRule] = {}
         self.rows: list[Thread] = []  # the running threads, in the cache's row order
-        self.next_input = torch.zeros(0, dtype=torch.long)  # per row: the token to feed next
+        self.row_state = RowState(parameter.device)  # their per-row state on the device, in the same order
         self._arrivals = 0
         self.tokens_generated = 0
         self.busy_s = 0.0
@@ -115,6 +127,7 @@ class Engine:
         self.prompt_prefills = 0  # prompts prefilled (once per task and ratio)
         self.tasks: dict[str, EngineTask] = {}
         self._free_owners = list(range(MAX_OWNERS - 1, 0, -1))  # owner 0: slots of no task
+        self.graphs = DecodeGraph(self) if cuda_graphs and parameter.is_cuda else None
 
     def _new_cache(self) -> PagedDMSCache:
         return PagedDMSCache(self.pool, self.layers, self.kv_heads)
@@ -244,11 +257,20 @@ class Engine:
             finished += self._make_room()
         if self.rows:
             threads = list(self.rows)
-            self.adapters.set_rows([t.cr for t in threads])
-            logits = self._forward(self.cache, self.next_input[:, None], self.cache.lengths()[:, None])
-            finished += self._advance(threads, logits)
+            replayed = self.graphs.step() if self.graphs is not None else None
+            if replayed is not None:
+                finished += self._advance(threads, None, packed=replayed)
+            else:
+                finished += self._advance(threads, self._decode_logits())
         self.busy_s += time.perf_counter() - began
         return finished
+
+    def _decode_logits(self) -> torch.Tensor:
+        """The decode step's forward pass: one token of every running row, the next logits ``[rows, vocab]``."""
+        gated = self.row_state.any_gated()
+        self.adapters.use_rows(self.row_state.adapter, gated)
+        self.cache.set_evicting(gated)
+        return self._forward(self.cache, self.row_state.next_input[:, None], self.cache.lengths()[:, None])
 
     def run(self, on_result=None) -> list[ThreadResult]:
         """Step until nothing is waiting or running."""
@@ -262,8 +284,9 @@ class Engine:
 
     def _forward(self, cache: PagedDMSCache, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
         device = self.pool.keys.device
-        return self.model(
-            input_ids=input_ids.to(device), position_ids=position_ids.to(device), past_key_values=cache, use_cache=True,
+        return self.model(  # the positions copied: the cache advances its lengths in place during the pass
+            input_ids=input_ids.to(device), position_ids=position_ids.to(device).clone(), past_key_values=cache,
+            use_cache=True,
             attention_mask=None,  # what each query sees comes from the cache's slot tables, not a mask
             cache_position=torch.arange(input_ids.shape[1], device=device),
         ).logits[:, -1]
@@ -279,12 +302,13 @@ class Engine:
             cache.add_rows([self.adapters.window(cr)], [owner])
         offset = start.tokens if start is not None else 0
         self.adapters.set_rows([cr])
+        cache.set_evicting(cr != 1)
         ids = torch.tensor(token_ids, dtype=torch.long)
         logits = None
         for first in range(0, len(ids), PREFILL_CHUNK):
             chunk = ids[first : first + PREFILL_CHUNK]
             # Room for this chunk and for the next decode step of every row, the new ones included.
-            if (len(chunk) + len(self.rows) + rows_after) * self.slots_per_token > self.pool.free:
+            if not self.pool.has_free((len(chunk) + len(self.rows) + rows_after) * self.slots_per_token):
                 cache.remove_rows([0])
                 raise _PoolShort
             positions = torch.arange(offset + first, offset + first + len(chunk))
@@ -305,46 +329,68 @@ class Engine:
     def _start(self, group: list[Thread]) -> list[ThreadResult]:
         first = group[0]
         held = self._held_prompt(first, len(group))
+        adapter = self.adapters.index(first.cr)
         if first.tokens:  # resume a preempted thread: its prompt is held; replay its own tokens
             cache, _ = self._prefill(first.tokens[:-1], first.cr, 1, 0, start=held)
             self.cache.extend(cache)
             self.rows.append(first)
-            self.next_input = torch.cat([self.next_input, torch.tensor(first.tokens[-1:])])
+            self.row_state.add([first], [adapter], first.tokens[-1:])
             return []
         self.cache.extend(held.cache, repeat=len(group), keep_source=True)
+        begin = len(self.rows)
         self.rows += group
-        self.next_input = torch.cat([self.next_input, torch.zeros(len(group), dtype=torch.long)])
-        return self._advance(group, held.logits.expand(len(group), -1))
+        self.row_state.add(group, [adapter] * len(group), [0] * len(group))
+        return self._advance(group, held.logits.expand(len(group), -1), slice(begin, begin + len(group)))
 
-    def _advance(self, threads: list[Thread], logits: torch.Tensor) -> list[ThreadResult]:
-        """Sample one token for each of ``threads`` (rows of ``logits``, in order); retire the finished."""
-        temperature = torch.tensor([t.params.temperature for t in threads])
-        top_p = torch.tensor([t.params.top_p for t in threads])
-        top_k = torch.tensor([t.params.top_k for t in threads])
-        min_p = torch.tensor([t.params.min_p for t in threads])
-        chosen = sample_rows(logits, temperature, top_p, [t.generator for t in threads], top_k, min_p).cpu()
-        all_logprobs = torch.log_softmax(logits.float(), dim=-1)
-        logprobs = all_logprobs.gather(-1, chosen[:, None].to(logits.device))[:, 0].cpu()
-        tops = self._top_logprobs(threads, all_logprobs)
-        self.next_input[self._row_indices(threads)] = chosen
-        done = [t for t, token, lp, top in zip(threads, chosen.tolist(), logprobs.tolist(), tops)
-                if t.append(token, lp, t.stop or self.stop, top)]
+    def _advance(self, threads: list[Thread], logits: torch.Tensor | None, rows: slice = slice(None),
+                 packed: torch.Tensor | None = None) -> list[ThreadResult]:
+        """Sample one token for each of ``threads`` (the batch's ``rows``, rows of ``logits``, in order); retire the
+        finished. ``packed``: what a replayed decode graph sampled already (:meth:`_sample`'s output)."""
+        tops = self.top_logprobs_wanted(threads)
+        if packed is None:
+            packed = self._sample(logits, rows, tops)
+        tokens, logprobs, alternatives = self._read_step(packed, len(threads), tops)
+        done = [t for t, token, lp, top in zip(threads, tokens, logprobs, alternatives)
+                if t.append(token, lp, t.stop or self.stop, top[:t.params.top_logprobs] if t.params.logprobs else ())]
         self.tokens_generated += len(threads)
         return self._retire(done)
 
     @staticmethod
-    def _top_logprobs(threads: list[Thread], logprobs: torch.Tensor) -> list[tuple[tuple[int, float], ...]]:
-        """Each thread's ``top_logprobs`` most likely (token, log-probability) pairs; computed only for the rows that
-        ask (one top-k over them), empty for the others."""
-        rows = [i for i, t in enumerate(threads) if t.params.logprobs and t.params.top_logprobs > 0]
-        tops: list[tuple[tuple[int, float], ...]] = [()] * len(threads)
-        if rows:
-            k = max(threads[i].params.top_logprobs for i in rows)
-            values, ids = logprobs[rows].topk(min(k, logprobs.shape[-1]), dim=-1)
-            for row, row_values, row_ids in zip(rows, values.cpu().tolist(), ids.cpu().tolist()):
-                keep = threads[row].params.top_logprobs
-                tops[row] = tuple(zip(row_ids[:keep], row_values[:keep]))
-        return tops
+    def top_logprobs_wanted(threads: list[Thread]) -> int:
+        """How many most likely alternatives the step ranks per row: the most any of ``threads`` asks for (0: none,
+        and the step ranks nothing)."""
+        return max((t.params.top_logprobs for t in threads if t.params.logprobs), default=0)
+
+    def _sample(self, logits: torch.Tensor, rows: slice, tops: int = 0) -> torch.Tensor:
+        """On the device: draw ``rows``' tokens, record them in the batch, and pack what the host reads of the step
+        (the tokens, their log-probs, the pool's slots in use, each layer's longest line and, when ``tops``, every
+        row's ``tops`` most likely tokens and their log-probs) into one tensor."""
+        chosen = sample_rows(logits, *self.row_state.sampling(rows))
+        all_logprobs = torch.log_softmax(logits.float(), dim=-1)
+        logprobs = all_logprobs.gather(-1, chosen[:, None])[:, 0]
+        self.row_state.record(chosen, rows)
+        parts = [chosen.double(), logprobs.double(), self.pool.used_counter().double(), self.cache.widest_lines().double()]
+        if tops:
+            values, ids = all_logprobs.topk(min(tops, all_logprobs.shape[-1]), dim=-1)
+            parts += [ids.double().flatten(), values.double().flatten()]
+        return torch.cat(parts)
+
+    def _read_step(self, packed: torch.Tensor, count: int, tops: int = 0) \
+            -> tuple[list[int], list[float], list[tuple[tuple[int, float], ...]]]:
+        """The step's one read of the device (:meth:`_sample`'s tensor), so that the host admits, makes room and sizes
+        the tables without another: returns the ``count`` tokens, their log-probs and each row's ranked
+        alternatives (empty without ``tops``)."""
+        values = read_to_host(packed)
+        self.pool.observe(int(values[2 * count]))
+        layers = len(self.cache.layers)
+        self.cache.observe_widest([int(w) for w in values[2 * count + 1 : 2 * count + 1 + layers]])
+        ranked: list[tuple[tuple[int, float], ...]] = [()] * count
+        if tops:
+            start = 2 * count + 1 + layers
+            ids, logprobs = values[start : start + count * tops], values[start + count * tops : start + 2 * count * tops]
+            ranked = [tuple((int(i), float(lp)) for i, lp in zip(ids[r * tops:(r + 1) * tops],
+                                                                 logprobs[r * tops:(r + 1) * tops])) for r in range(count)]
+        return [int(t) for t in values[:count]], values[count : 2 * count], ranked
 
     def progress(self, request_ids: set[str]) -> list[tuple[str, ThreadTokens]]:
         """The tokens each running thread of ``request_ids`` decoded since its last report (a finished thread's last
@@ -361,16 +407,21 @@ class Engine:
         return found
 
     def _retire(self, threads: list[Thread]) -> list[ThreadResult]:
+        """Results for finished ``threads`` (what their rows held, read in one go), then their rows leave."""
         if not threads:
             return []
         rows = self._row_indices(threads)
-        ratios = self.cache.realized_compression()[rows].tolist()
-        memory = self.cache.memory_compression()[rows].tolist()
-        prompts = torch.tensor([len(t.prompt_ids) for t in threads], dtype=torch.long)
-        kept = zip(*(f.tolist() for f in self.cache.kept_fractions(rows, prompts)))
-        curves = [_defined(CURVE_POINTS, row) for row in self.cache.generated_kept_curve(rows, prompts, CURVE_POINTS).tolist()]
-        peaks = [self.task_peak_bytes(t.task_id) for t in threads]
-        results = [t.result(self.tokenizer, r, m, k, c, p) for t, r, m, k, c, p in zip(threads, ratios, memory, kept, curves, peaks)]
+        device = self.pool.keys.device
+        index = torch.tensor(rows, dtype=torch.long, device=device)
+        prompts = torch.tensor([len(t.prompt_ids) for t in threads], dtype=torch.long, device=device)
+        owners = torch.tensor([self.tasks[t.task_id].owner for t in threads], dtype=torch.long, device=device)
+        columns = [self.cache.realized_compression()[index], self.cache.memory_compression()[index],
+                   *self.cache.kept_fractions(rows, prompts), self.pool.owner_peak[owners]]
+        curves = self.cache.generated_kept_curve(rows, prompts, CURVE_POINTS)
+        table = read_to_host(torch.cat([torch.stack([c.double() for c in columns], dim=1), curves.double()], dim=1))
+        results = [t.result(self.tokenizer, realized, memory, (prompt_kept, generated_kept),
+                            _defined(CURVE_POINTS, curve), int(peak) * self.pool.slot_bytes)
+                   for t, (realized, memory, prompt_kept, generated_kept, peak, *curve) in zip(threads, table)]
         self.scheduler.finish(threads)
         self._drop(threads)
         self._ended(threads)
@@ -386,14 +437,14 @@ class Engine:
             return
         rows = self._row_indices(threads)
         self.cache.remove_rows(rows)
-        keep = torch.ones(len(self.rows), dtype=torch.bool)
-        keep[rows] = False
-        self.next_input = self.next_input[keep]
-        self.rows = [t for t, k in zip(self.rows, keep.tolist()) if k]
+        leaving = set(rows)
+        kept = [row for row in range(len(self.rows)) if row not in leaving]
+        self.row_state.keep(kept)
+        self.rows = [self.rows[row] for row in kept]
 
     def _make_room(self) -> list[ThreadResult]:
         """Preempt the newest threads until this decode step's new tokens fit in the free slots."""
-        while len(self.rows) * self.slots_per_token > self.pool.free:
+        while not self.pool.has_free(len(self.rows) * self.slots_per_token):
             victim = self.scheduler.pick_victim()
             if victim is None:  # one thread alone outgrew the pool (it compressed far less than its ratio)
                 self.rows[0].finish_reason = "kv_budget"

@@ -1,7 +1,8 @@
 """One reasoning thread: a prompt, its own sampling parameters and DMS ratio, and the tokens it has made.
 
 A thread is ``WAITING`` until the scheduler admits it, ``RUNNING`` while it has rows in the engine's
-batch, back to ``WAITING`` when preempted (its tokens and random stream are kept; its cache is rebuilt
+batch, back to ``WAITING`` when preempted (its tokens are kept, and its random stream, which is its seed and
+its token count (:func:`~workers.sampler.counter_uniforms`), goes on where it stopped; its cache is rebuilt
 on resume), and ``FINISHED`` when it stops: at its answer, at EOS, at a stop string, at its token limit, or
 cancelled. How it stops and what its answer is belong to its task family (``tasks/families.py``): the chain
 family's ``#`` rule works on token ids, as it always has; a thread of any family stops at one of its stop
@@ -14,8 +15,6 @@ import enum
 import math
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-
-import torch
 
 from tasks.families import ChainFamily, TaskFamily
 from workers.records import ThreadResult
@@ -111,7 +110,6 @@ class Thread:
 
     def __post_init__(self) -> None:
         self.task_id = self.task_id or self.problem_id
-        self.generator = torch.Generator().manual_seed(self.params.seed % (2**63))
 
     @property
     def key(self) -> tuple[str, int]:
