@@ -28,14 +28,19 @@ class AdapterError(ValueError):
 _RUNTIME_KEYS = {"dtype", "torch_dtype", "_name_or_path", "transformers_version", "use_cache", "_attn_implementation_autoset"}
 
 
-def model_fingerprint(model: nn.Module) -> str:
+def model_fingerprint(model: nn.Module, gates: nn.Module | None = None) -> str:
     """A short hash of a model's architecture and weights: names, shapes and sampled values.
 
     Values are compared at bf16 precision, so the same weights loaded in fp32 on a CPU or in bf16 on a GPU
-    have the same fingerprint, while any retraining changes it."""
+    have the same fingerprint, while any retraining changes it. ``gates``: weights stored in the model's own
+    checkpoint that transformers leaves out of the model (an NVIDIA directory's separate gates), hashed too; gates
+    without weights of their own leave the fingerprint as the model's."""
     config = {k: v for k, v in model.config.to_diff_dict().items() if k not in _RUNTIME_KEYS}
     digest = hashlib.sha256(json.dumps(config, sort_keys=True, default=str).encode())
-    for name, tensor in sorted(model.state_dict().items()):
+    state = dict(model.state_dict())
+    if gates is not None:
+        state.update({f"dms_gates.{name}": tensor for name, tensor in gates.state_dict().items()})
+    for name, tensor in sorted(state.items()):
         flat = tensor.detach().flatten()
         sample = flat[:: max(1, flat.numel() // 256)][:256].to(torch.bfloat16).float().cpu().numpy()
         digest.update(f"{name}:{tuple(tensor.shape)}".encode())

@@ -1,18 +1,32 @@
 """How much of a thread's KV an adapter keeps: the figure admission control reserves memory by.
 
-Measured per adapter on fresh problems (``thinkpool kv-growth``, :mod:`training.measure_kv_growth`) and stored in
-the adapter's metadata under ``kv_growth``; an adapter never measured falls back to DESIGN's ``1/cr``.
+Measured per ratio on problems (``thinkpool kv-growth``, :mod:`training.measure_kv_growth`) and stored with the
+gates: in a thinkpool adapter's metadata under ``kv_growth``, or, for an NVIDIA-layout directory, which has no
+adapter file, in ``thinkpool-kv-growth.json`` beside its weights with the fingerprint of the weights it was measured
+on (:func:`write_growth_file`, :func:`measured_growth`). Gates never measured, or whose weights changed since, fall
+back to DESIGN's ``1/cr``.
 """
 
 from __future__ import annotations
 
+import json
+import logging
+import os
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
 from dms_runtime.adapters import read_adapter_metadata
 
+log = logging.getLogger(__name__)
+
 # A thread's own tokens past its window at which the kept fraction is measured (the growth curve's points).
 CURVE_POINTS = (32, 64, 128, 256, 384, 512, 768, 1024, 1536, 2048, 3072, 4096)
+# A thread counts in a measurement when this many of its own tokens left the window: reservations are for threads
+# at their token limit, and the fraction a short thread keeps of its few tokens is noisy (4 of 21 is 0.19).
+MIN_PAST_WINDOW = 256
+GROWTH_FILE = "thinkpool-kv-growth.json"  # beside an NVIDIA-layout directory's config.json
+GROWTH_FORMAT = "thinkpool-kv-growth/1"
 
 
 @dataclass(frozen=True)
@@ -68,3 +82,71 @@ def read_kv_growth(adapter: str | Path) -> KVGrowth | None:
     if not isinstance(measured, dict):
         return None
     return KVGrowth.from_dict(measured)
+
+
+# -- the growth file of an NVIDIA-layout directory ----------------------------------------------------------------
+def growth_file(model_dir: str | Path) -> Path:
+    return Path(model_dir) / GROWTH_FILE
+
+
+def read_growth_file(model_dir: str | Path) -> tuple[str, dict[float, dict]] | None:
+    """The fingerprint of the weights the file was measured on and its entry per ratio (each an adapter's
+    ``kv_growth`` entry: the fit and how it was measured); None without a file. Raises ValueError naming the file
+    and the field for one that is not what :func:`write_growth_file` writes."""
+    path = growth_file(model_dir)
+    if not path.is_file():
+        return None
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as error:
+        raise ValueError(f"{path}: cannot read the measured KV growth ({error})") from error
+    if not isinstance(data, dict) or data.get("format") != GROWTH_FORMAT:
+        raise ValueError(f"{path}: field 'format': expected {GROWTH_FORMAT!r} (written by thinkpool kv-growth)")
+    fingerprint, ratios = data.get("fingerprint"), data.get("ratios")
+    if not isinstance(fingerprint, str) or not fingerprint:
+        raise ValueError(f"{path}: field 'fingerprint': must be the measured weights' fingerprint (a string)")
+    if not isinstance(ratios, dict):
+        raise ValueError(f"{path}: field 'ratios': must map each ratio to its measured growth")
+    entries = {}
+    for name, entry in ratios.items():
+        try:
+            KVGrowth.from_dict(entry)
+            entries[float(name)] = entry
+        except (TypeError, ValueError, KeyError, AttributeError) as error:
+            raise ValueError(f"{path}: field 'ratios.{name}': not a measured growth ({error!r})") from error
+    return fingerprint, entries
+
+
+def write_growth_file(model_dir: str | Path, fingerprint: str, entries: Mapping[float, dict]) -> Path:
+    """Store each ratio's measured growth ``entries`` beside the model, with the fingerprint of the weights they were
+    measured on. Entries of other ratios measured on the same weights are kept; any measured on other weights go."""
+    path = growth_file(model_dir)
+    try:
+        stored = read_growth_file(model_dir)
+    except ValueError:
+        stored = None  # an unreadable file is replaced by the new measurement
+    kept = stored[1] if stored is not None and stored[0] == fingerprint else {}
+    ratios = {f"{cr:g}": entry for cr, entry in sorted({**kept, **entries}.items())}
+    text = json.dumps({"format": GROWTH_FORMAT, "fingerprint": fingerprint, "ratios": ratios}, indent=2) + "\n"
+    partial = path.with_name(path.name + ".partial")
+    partial.write_text(text)
+    os.replace(partial, path)  # a reader sees the old file or the new one, never half of one
+    return path
+
+
+def measured_growth(model_dir: str | Path, cr: float, fingerprint: Callable[[], str]) -> KVGrowth | None:
+    """The growth stored beside an NVIDIA-layout directory for ratio ``cr``, if it was measured on these weights
+    (``fingerprint()``, asked only when there is a file). A file measured on other weights is ignored with a
+    warning: its figures say nothing about these gates, and admission falls back to the nominal ``1/cr``."""
+    stored = read_growth_file(model_dir)
+    if stored is None:
+        return None
+    measured_on, entries = stored
+    actual = fingerprint()
+    if measured_on != actual:
+        log.warning("%s was measured on weights %s, these are %s: ignored, admission reserves the nominal 1/cr until "
+                    "`thinkpool kv-growth --model %s` measures them again", growth_file(model_dir), measured_on, actual,
+                    model_dir)
+        return None
+    entry = entries.get(float(cr))
+    return None if entry is None else KVGrowth.from_dict(entry)

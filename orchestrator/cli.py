@@ -8,6 +8,7 @@ import os
 import sys
 from pathlib import Path
 
+from dms_runtime.kv_growth import MIN_PAST_WINDOW
 from orchestrator.arguments import bounded, byte_size, fixed_config, k_range, sample_count
 from orchestrator.settings import get_settings
 from policies.planner import SIGNALS
@@ -197,17 +198,26 @@ def build_parser() -> argparse.ArgumentParser:
     retrofit.add_argument("--thresholds-only", action="store_true",
                           help="do not train: fit the thresholds of the adapters already in the output directory")
 
-    growth = commands.add_parser("kv-growth", help="measure what each DMS adapter keeps of a thread; store it as its reservation")
-    growth.add_argument("--model", type=Path, required=True, help="model directory whose dms-<cr>x adapters to measure")
-    growth.add_argument("--cr", type=bounded(float, 1.01, 64), nargs="+", default=None, help="ratios (default: every adapter)")
-    growth.add_argument("--k", type=k_range, default=None, help="difficulties (default: each adapter's threshold-fit range)")
-    growth.add_argument("--problems", type=bounded(int, 1, 1000), default=16, help="fresh problems per adapter")
+    growth = commands.add_parser("kv-growth", help="measure what each ratio's DMS gates keep of a thread; store it as its reservation")
+    growth.add_argument("--model", type=Path, required=True,
+                        help="model directory: its dms-<cr>x adapters, or its own gates in NVIDIA's DMS layout")
+    growth.add_argument("--cr", type=bounded(float, 1.01, 64), nargs="+", default=None, help="ratios (default: every one)")
+    growth.add_argument("--problems", type=Path, default=None,
+                        help="JSONL file of {prompt[, task, id]} to measure on (default: fresh chain problems)")
+    growth.add_argument("--task", choices=FAMILIES, default=None, help="task family of rows that name none (default: the model's)")
+    growth.add_argument("--n", type=bounded(int, 1, 1000), default=16, help="problems per ratio (a file's first N)")
+    growth.add_argument("--k", type=k_range, default=None,
+                        help="difficulties of the generated chain problems (default: each adapter's threshold-fit range)")
     growth.add_argument("--threads", type=bounded(int, 1, 64), default=8, help="sampled threads per problem")
     growth.add_argument("--temperature", type=bounded(float, 0.01, 5.0), default=settings.sampling.temperature)
-    growth.add_argument("--max-new-tokens", type=bounded(int, 16, 8192), default=settings.sampling.max_new_tokens)
+    growth.add_argument("--max-new-tokens", type=bounded(int, 16, 8192), default=settings.sampling.max_new_tokens,
+                        help="per thread, at most what the model's context leaves")
+    growth.add_argument("--min-past-window", type=bounded(int, 1, 8192), default=MIN_PAST_WINDOW,
+                        help="a thread counts once this many of its own tokens left the window (lower it for a model "
+                             "whose threads are short)")
     growth.add_argument("--quantile", type=bounded(float, 0.5, 1.0), default=0.95, help="over threads, of the kept fractions")
     growth.add_argument("--seed", type=int, default=9101)
-    growth.add_argument("--dry-run", action="store_true", help="print the measurement; leave the adapters as they are")
+    growth.add_argument("--dry-run", action="store_true", help="print the measurement; store nothing")
     return parser
 
 

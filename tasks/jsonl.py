@@ -20,9 +20,11 @@ class ProblemFileError(ValueError):
     """A problem file that cannot be used; the message names the file, line and field."""
 
 
-def read_problems(path: str | Path, limit: int | None = None, task: str = "chain") -> list[dict]:
+def read_problems(path: str | Path, limit: int | None = None, task: str = "chain", prompts_only: bool = False) -> list[dict]:
     """Read and validate a problem file; a chain row's ``answer`` is checked against the reference solver.
-    ``task`` is the family of rows that name none (a row's own ``task`` is kept as it is)."""
+    ``task`` is the family of rows that name none (a row's own ``task`` is kept as it is). ``prompts_only``: for
+    what reads no answers (a KV measurement), a row needs only its ``prompt``: one without an ``id`` is named by
+    its line, and an ``answer``, when a row has one, is still checked."""
     path = Path(path)
     if not path.is_file():
         raise ProblemFileError(f"problem file not found: {path}")
@@ -38,11 +40,13 @@ def read_problems(path: str | Path, limit: int | None = None, task: str = "chain
                 raise ProblemFileError(f"{where}: not valid JSON ({error.msg})") from None
             if not isinstance(record, dict):
                 raise ProblemFileError(f"{where}: each line must be a JSON object")
+            if prompts_only:
+                record.setdefault("id", f"line-{number}")
             row_task = record.get("task", task)
             if not isinstance(row_task, str):
                 raise ProblemFileError(f"{where}: field 'task' must be a string")
             if row_task == "chain":
-                _check_chain_row(record, where)
+                _check_chain_row(record, where, need_answer=not prompts_only)
             else:
                 _check_row(record, row_task, where)
             records.append(record)
@@ -53,15 +57,15 @@ def read_problems(path: str | Path, limit: int | None = None, task: str = "chain
     return records
 
 
-def _check_chain_row(record: dict, where: str) -> None:
-    for field in ("id", "prompt", "answer"):
+def _check_chain_row(record: dict, where: str, need_answer: bool = True) -> None:
+    for field in ("id", "prompt", "answer") if need_answer or "answer" in record else ("id", "prompt"):
         if not isinstance(record.get(field), str):
             raise ProblemFileError(f"{where}: field '{field}' must be a string")
     try:
         problem = parse_problem(record["prompt"])
     except ProblemError as error:
         raise ProblemFileError(f"{where}: field 'prompt': {error}") from None
-    if record["answer"].lstrip("0") != problem.answer.lstrip("0"):
+    if "answer" in record and record["answer"].lstrip("0") != problem.answer.lstrip("0"):
         raise ProblemFileError(
             f"{where}: field 'answer' is {record['answer']!r} but the problem evaluates to {problem.answer!r}"
         )

@@ -87,10 +87,10 @@ def test_solve_and_info():
         (("generate", "--n", "3", "--k", "0-30", "--output", "x.jsonl"), "argument --k"),
         (("info", "--model", "/nonexistent"), "argument --model: no model at /nonexistent"),
         (("retrofit", "--thresholds-only", "--output", "{tmp}"), "argument --thresholds-only: no trained adapter at"),
-        (("kv-growth", "--model", "checkpoints/chain-qwen3-dms", "--cr", "16"), "argument --cr: no adapter for 16x"),
+        (("kv-growth", "--model", "checkpoints/chain-qwen3-dms", "--cr", "16"), "argument --cr: no DMS gates for 16x"),
         (("kv-growth", "--model", "checkpoints/chain-qwen3-dms", "--quantile", "2"), "argument --quantile"),
-        (("kv-growth", "--model", "checkpoints/chain-qwen3-dms", "--cr", "8", "--k", "1-2", "--problems", "1", "--threads", "1"),
-         "argument --k: no thread at 8x generated 256 tokens past its window on k 1-2"),
+        (("kv-growth", "--model", "checkpoints/chain-qwen3-dms", "--cr", "8", "--k", "1-2", "--n", "1", "--threads", "1"),
+         "argument --max-new-tokens: no thread at 8x on chain problems of k 1-2 generated 256 tokens past its"),
     ],
 )
 def test_bad_input_exits_2_with_a_clear_message(args, message, easy_file, tmp_path):

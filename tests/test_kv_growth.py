@@ -31,7 +31,7 @@ def test_every_shipped_adapter_carries_its_measured_growth():
 def test_kv_growth_measures_stores_and_lets_the_pool_hold_more_threads(tmp_path):
     model = tmp_path / "model"
     shutil.copytree(SHIPPED_DMS, model)
-    done = thinkpool("kv-growth", "--model", str(model), "--cr", "8", "--problems", "2", "--threads", "4", "--k", "14-15",
+    done = thinkpool("kv-growth", "--model", str(model), "--cr", "8", "--n", "2", "--threads", "4", "--k", "14-15",
                      "--seed", "5")
     assert done.returncode == 0, done.stderr
     fit = json.loads(done.stdout.strip().splitlines()[-1])

@@ -23,7 +23,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from dms_runtime.adapters import adapter_path, load_gates, model_fingerprint
 from dms_runtime.gate_bank import AdapterSet
-from dms_runtime.kv_growth import read_kv_growth
+from dms_runtime.kv_growth import measured_growth, read_kv_growth
 from dms_runtime.loading import default_model_path, kv_geometry, load_model
 from dms_runtime.model_dir import context_length, eos_token_ids, generation_defaults, has_chat_template, read_config
 from dms_runtime.nvidia_layout import NvidiaAdapterSet, load_nvidia_layout, read_dms_config
@@ -117,11 +117,15 @@ def available_ratios(model_dir: str | Path) -> list[float]:
 
 
 def load_adapters(model, model_dir: str | Path, reserve: str = "measured") -> AdapterSet:
-    """The gates a worker serves: an NVIDIA-layout directory's own (ratio ``dms_cr``, read as they are), else
-    thinkpool's ``dms-<cr>x`` adapters beside the model, with their measured KV growth."""
+    """The gates a worker serves, with their measured KV growth (``reserve="measured"``): an NVIDIA-layout
+    directory's own (ratio ``dms_cr``, read as they are; their growth from the directory's growth file, if measured
+    on these weights), else thinkpool's ``dms-<cr>x`` adapters beside the model (their growth in their metadata)."""
     layout = load_nvidia_layout(model, model_dir)
     if layout is not None:
-        return NvidiaAdapterSet(model, layout)
+        growth = None
+        if reserve == "measured" and layout.ratios:
+            growth = measured_growth(model_dir, layout.ratio, lambda: model_fingerprint(model, layout.gates))
+        return NvidiaAdapterSet(model, layout, growth)
     paths = {cr: adapter_path(model_dir, cr) for cr in available_ratios(model_dir)}
     adapters = {cr: load_gates(model, path) for cr, path in paths.items()}
     growth = {cr: read_kv_growth(path) for cr, path in paths.items()} if reserve == "measured" else {}

@@ -16,13 +16,16 @@ def load_model_or_exit(args, parser):
     return model, tokenizer, str(path)
 
 
-def read_problems_or_exit(args, parser, task: str = "chain", need_answers: bool = False) -> list[dict]:
-    """``--problems`` (first ``--limit``; rows that name no ``task`` are of ``task``, the model's family), or a
-    one-line usage error naming the field; ``need_answers``: every row must have its answer (scoring needs it)."""
+def read_problems_or_exit(args, parser, task: str = "chain", need_answers: bool = False, limit: int | None = None,
+                          prompts_only: bool = False) -> list[dict]:
+    """``--problems`` (first ``limit``, default ``--limit``; rows that name no ``task`` are of ``task``, the model's
+    family), or a one-line usage error naming the field; ``need_answers``: every row must have its answer (scoring
+    needs it); ``prompts_only``: rows need no id or answer (see :func:`tasks.jsonl.read_problems`)."""
     from tasks.jsonl import ProblemFileError, read_problems
 
     try:
-        problems = read_problems(args.problems, getattr(args, "limit", None), task=task)
+        problems = read_problems(args.problems, limit if limit is not None else getattr(args, "limit", None), task=task,
+                                 prompts_only=prompts_only)
     except ProblemFileError as error:
         parser.error(f"argument --problems: {error}")
     missing = [p["id"] for p in problems if need_answers and not isinstance(p.get("answer"), str)]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 
@@ -10,7 +11,8 @@ from pathlib import Path
 def describe_model(path: Path) -> dict:
     """What a model directory is, from its config, tokenizer and adapter files and safetensors headers only (no
     weights load): architecture, KV geometry as this machine would serve it, the ratios and windows its gates
-    offer, its task family, context length, sampling defaults and whether its tokenizer has a chat template."""
+    offer, what admission reserves per ratio (its measured KV growth, or nominal), its task family, context length,
+    sampling defaults and whether its tokenizer has a chat template."""
     import torch
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
@@ -51,6 +53,7 @@ def describe_model(path: Path) -> dict:
         "layout": "nvidia" if nvidia is not None else "thinkpool",
         "ratios": [1.0] + ratios,
         "windows": {f"{cr:g}": w for cr, w in windows.items()},
+        "kv_growth": stored_growth(path, ratios, nvidia is not None),
         "nvidia_dms": None if nvidia is None else nvidia.config_fields(),
         "task": default_family(path),
         "tokenizer": has_tokenizer(path),
@@ -58,6 +61,27 @@ def describe_model(path: Path) -> dict:
         "eos_token_ids": eos_token_ids(path),
         "generation": generation_defaults(path),
     }
+
+
+def stored_growth(path: Path, ratios: list[float], nvidia: bool) -> dict[str, dict]:
+    """Per ratio, the KV growth admission reserves by as stored: ``measured`` (an adapter's metadata, or an NVIDIA
+    directory's growth file with ``measured_on``, the weights' fingerprint, which a worker checks when it loads them)
+    or ``nominal`` (1/cr)."""
+    from dms_runtime.adapters import adapter_path
+    from dms_runtime.kv_growth import KVGrowth, read_growth_file, read_kv_growth
+
+    stored = read_growth_file(path) if nvidia else None
+    report = {}
+    for cr in ratios:
+        if nvidia:
+            entry = stored[1].get(cr) if stored is not None else None
+            growth = None if entry is None else KVGrowth.from_dict(entry)
+            extra = {} if entry is None else {"measured_on": stored[0]}
+        else:
+            growth, extra = read_kv_growth(adapter_path(path, cr)), {}
+        source = "nominal" if growth is None else "measured"
+        report[f"{cr:g}"] = {"reserve": source, **(growth or KVGrowth.nominal(cr)).as_dict(), **extra}
+    return report
 
 
 def cmd_info(args, parser) -> int:
@@ -151,29 +175,47 @@ def fit_adapter_thresholds(config, parser, problems: int) -> int:
     if config.kv_growth_problems and Path(model_dir).resolve() == Path(config.output_dir).resolve():
         from training import measure_kv_growth as kv_growth
 
-        fits = kv_growth.measure_kv_growth(model_dir, config.ratios, problems=config.kv_growth_problems)
+        fits = kv_growth.measure_kv_growth(model_dir, config.ratios, n=config.kv_growth_problems)
         kv_growth.store(model_dir, fits)
         print(kv_growth.describe(fits))
     return 0
 
 
 def cmd_kv_growth(args, parser) -> int:
+    """``thinkpool kv-growth``: measure each ratio's KV growth on a problem file or fresh chain problems and store it
+    with the gates (a thinkpool adapter's metadata, or an NVIDIA-layout directory's growth file)."""
+    from orchestrator.commands.common import read_problems_or_exit
+    from tasks.families import default_family
     from training import measure_kv_growth as kv_growth
     from workers.worker import available_ratios
 
     if not (args.model / "config.json").is_file():
         parser.error(f"argument --model: no model at {args.model}")
-    served = available_ratios(args.model)
+    try:
+        served = available_ratios(args.model)
+        task = args.task or default_family(args.model)
+    except ValueError as error:
+        parser.error(f"argument --model: {args.model}: {error}")
     missing = [f"{cr:g}x" for cr in args.cr or [] if cr not in served]
     if missing or not served:
-        parser.error(f"argument --cr: no adapter for {', '.join(missing) or 'any ratio'} in {args.model} "
+        parser.error(f"argument --cr: no DMS gates for {', '.join(missing) or 'any ratio'} in {args.model} "
                      f"(it has {', '.join(f'{cr:g}x' for cr in served) or 'none'})")
+    problems = None
+    if args.problems is not None:
+        if args.k is not None:
+            parser.error("argument --k: the difficulties of generated chain problems; not with --problems")
+        problems = read_problems_or_exit(args, parser, task, limit=args.n, prompts_only=True)
+    elif task != "chain":
+        parser.error(f"argument --problems: the {task} task needs a problem file to measure on (only chain problems "
+                     "are generated)")
     try:
-        fits = kv_growth.measure_kv_growth(args.model, args.cr, args.problems, args.threads, args.k, args.seed,
-                                           args.temperature, args.max_new_tokens, args.quantile)
-    except ValueError as error:  # problems too short to measure: nothing is written
-        parser.error(f"argument --k: {error}; measure on longer problems")
+        fits = kv_growth.measure_kv_growth(args.model, args.cr, args.n, args.threads, args.k, args.seed,
+                                           args.temperature, args.max_new_tokens, args.quantile, problems=problems,
+                                           task=task, min_past_window=args.min_past_window)
+    except kv_growth.TooShortError as error:  # nothing is written
+        parser.error(f"argument --max-new-tokens: {error}")
     if not args.dry_run:
-        kv_growth.store(args.model, fits)
+        for path in kv_growth.store(args.model, fits):
+            print(f"stored: {path}", file=sys.stderr)
     print(kv_growth.describe(fits))
     return 0
