@@ -30,7 +30,8 @@ class DMSConfig:
 
     def __post_init__(self) -> None:
         if self.parametrization not in PARAMETRIZATIONS:
-            raise ValueError(f"parametrization must be one of {', '.join(PARAMETRIZATIONS)}, got {self.parametrization!r}")
+            raise ValueError(f"parametrization must be one of {', '.join(PARAMETRIZATIONS)}, "
+                             f"got {self.parametrization!r}")
         if self.window < 0:
             raise ValueError(f"window must be >= 0, got {self.window}")
 

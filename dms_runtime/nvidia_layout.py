@@ -87,7 +87,8 @@ class NvidiaDMSConfig:
     @property
     def dms_config(self) -> DMSConfig:
         """The same gates in thinkpool's terms (the window, the scale, the offset; threshold 0)."""
-        return DMSConfig(parametrization="nvidia_separate" if self.separate_alpha else "query_neuron", per_head=self.per_head,
+        return DMSConfig(parametrization="nvidia_separate" if self.separate_alpha else "query_neuron",
+                         per_head=self.per_head,
                          window=self.window_size, logit_scale=float(self.alpha_scale),
                          init_offset=-float(self.initial_alpha_offset))
 
@@ -301,11 +302,13 @@ def export_block_size(window: int) -> int:
     """NVIDIA's paged-attention block for gates of ``window``: the largest power of two below the window, at most 256
     (its default); its code refuses a window that is not larger than the block."""
     if window < 2:
-        raise ValueError(f"window: NVIDIA's layout needs a window larger than its paged block (at least 2), got {window}")
+        raise ValueError(f"window: NVIDIA's layout needs a window larger than its paged block (at least 2), "
+                         f"got {window}")
     return min(256, 1 << ((window - 1).bit_length() - 1))
 
 
-def separate_config(config: DMSConfig, cr: float = NvidiaDMSConfig.cr, block_size: int | None = None) -> NvidiaDMSConfig:
+def separate_config(config: DMSConfig, cr: float = NvidiaDMSConfig.cr,
+                    block_size: int | None = None) -> NvidiaDMSConfig:
     """NVIDIA's settings for separate gates of thinkpool's ``config`` (``nvidia_separate``), served as ``cr``; the
     block size defaults to :func:`export_block_size`."""
     return NvidiaDMSConfig(alpha_scale=float(config.logit_scale), initial_alpha_offset=-float(config.init_offset),

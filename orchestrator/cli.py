@@ -184,11 +184,12 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--steps", type=bounded(int, 1), default=None, help="stop after this many steps")
     retrofit = commands.add_parser("retrofit", help="train DMS adapters for a model (resumable)")
     retrofit.add_argument("--config", type=Path, default=None,
-                          help="the recipe (default: configs/retrofit_byo.yaml with --problems, else configs/retrofit_chain.yaml)")
+                          help="the recipe (default: configs/retrofit_byo.yaml with --problems, "
+                               "else configs/retrofit_chain.yaml)")
     retrofit.add_argument("--model", type=Path, default=None, help="base model directory (overrides the config)")
     retrofit.add_argument("--problems", type=Path, default=None,
-                          help="JSONL file of {id, prompt}: distil on the model's own sampled completions of these prompts "
-                               "(cached in the output directory) instead of generated chain problems")
+                          help="JSONL file of {id, prompt}: distil on the model's own sampled completions of these "
+                               "prompts (cached in the output directory) instead of generated chain problems")
     retrofit.add_argument("--task", choices=FAMILIES, default=None,
                           help="task family of --problems rows that name none (default: the model's)")
     retrofit.add_argument("--max-new-tokens", type=bounded(int, 1, 131072), default=None,

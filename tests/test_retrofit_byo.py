@@ -64,7 +64,8 @@ def refused(capsys, *args) -> str:
 def test_a_retrofit_from_a_problem_file_distils_on_the_models_own_cached_completions(tmp_path, model_dir, problems,
                                                                                    monkeypatch):
     out = tmp_path / "out"
-    assert retrofit_cli("--config", recipe(tmp_path), "--model", model_dir, "--problems", problems, "--output", out) == 0
+    assert retrofit_cli("--config", recipe(tmp_path), "--model", model_dir, "--problems", problems,
+                        "--output", out) == 0
     cache = out / CACHE_NAME
     rows = read_cache(cache)
     tokenizer = load_model(model_dir)[1]
@@ -85,7 +86,8 @@ def test_a_retrofit_from_a_problem_file_distils_on_the_models_own_cached_complet
         raise AssertionError("a rerun sampled again")
 
     monkeypatch.setattr("training.completions.build_engine", no_engine)
-    assert retrofit_cli("--config", recipe(tmp_path), "--model", model_dir, "--problems", problems, "--output", out) == 0
+    assert retrofit_cli("--config", recipe(tmp_path), "--model", model_dir, "--problems", problems,
+                        "--output", out) == 0
     assert cache.read_bytes() == before
     monkeypatch.undo()
     # More completions per prompt: only the new ones are sampled, appended after the cached rows.
@@ -138,7 +140,8 @@ def test_bad_problem_files_and_options_are_named(tmp_path, model_dir, problems, 
 
 # -- NVIDIA's separate gates and layout -----------------------------------------------------------------------------
 def test_layout_nvidia_needs_nvidias_separate_gates(tmp_path, model_dir, problems, capsys):
-    err = refused(capsys, "--config", recipe(tmp_path), "--model", model_dir, "--problems", problems, "--layout", "nvidia")
+    err = refused(capsys, "--config", recipe(tmp_path), "--model", model_dir, "--problems", problems,
+                  "--layout", "nvidia")
     assert "argument --layout:" in err and "parametrization nvidia_separate" in err
     err = refused(capsys, "--config", recipe(tmp_path, window=4, nvidia_block_size=4), "--model", model_dir,
                   "--problems", problems, "--parametrization", "nvidia_separate")
@@ -227,8 +230,8 @@ def test_the_chain_source_draws_the_batches_it_always_drew(chain_tokenizer, seed
     """What the shipped recipe trained on: the difficulty batch of seed ``seed * 1_000_003 + offset``."""
     k_min, k_max = k[0], k[0] + k[1]
     config = RetrofitConfig(seed=seed, k_min=k_min, k_max=k_max, tokens_per_batch=tokens, any_order=any_order)
-    expected = difficulty_batch(chain_tokenizer, random.Random(seed * 1_000_003 + offset), k_min, k_max, tokens, any_order,
-                                writes_reversed_minus_lines(chain_tokenizer))
+    expected = difficulty_batch(chain_tokenizer, random.Random(seed * 1_000_003 + offset), k_min, k_max, tokens,
+                                any_order, writes_reversed_minus_lines(chain_tokenizer))
     text = training_text(config, chain_tokenizer)
     assert isinstance(text, ChainText)
     for batch in (text.batch(offset), chain_batch(config, chain_tokenizer, offset)):

@@ -52,8 +52,9 @@ def model_sampling(model_dir: str | Path, max_new_tokens: int) -> SamplingParams
     declare is the plain distribution (temperature 1, no truncation), which distillation is about."""
     declared = generation_defaults(model_dir)
     temperature = float(declared.get("temperature", 1.0)) or 1.0  # 0 there means greedy decoding: sample anyway
-    return SamplingParams(temperature=temperature, top_p=float(declared.get("top_p", 1.0)), max_new_tokens=max_new_tokens,
-                          top_k=int(declared.get("top_k", 0)), min_p=float(declared.get("min_p", 0.0)), logprobs=True)
+    return SamplingParams(temperature=temperature, top_p=float(declared.get("top_p", 1.0)),
+                          max_new_tokens=max_new_tokens, top_k=int(declared.get("top_k", 0)),
+                          min_p=float(declared.get("min_p", 0.0)), logprobs=True)
 
 
 def read_problem_file(path: str | Path, task: str) -> list[dict]:
@@ -74,11 +75,12 @@ def sample_completions(model_dir: str | Path, problems_path: str | Path, out_dir
     """``samples`` completions of every problem, from the cache in ``out_dir`` where it has them, else sampled now
     (and added to the cache). ``task``: the family of rows that name none (default: the model's)."""
     tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
-    problems = read_problem_file(problems_path, task or default_family(model_dir))
+    task = task or default_family(model_dir)
+    problems = read_problem_file(problems_path, task)
     base = model_sampling(model_dir, max_new_tokens)
     wanted: dict[tuple[str, int], tuple[dict, list[int], SamplingParams]] = {}
     for problem in problems:
-        family = row_family(problem, task or default_family(model_dir))
+        family = row_family(problem, task)
         prompt_ids = family.encode(problem["prompt"], tokenizer)
         params = SamplingParams(**(asdict(base) | {"seed": problem_seed(seed, problem["id"])}))
         for index in range(samples):
@@ -89,7 +91,7 @@ def sample_completions(model_dir: str | Path, problems_path: str | Path, out_dir
              if key in cached and cached[key].prompt_ids == prompt_ids and cached[key].sampling == asdict(params)}
     missing = [key for key in wanted if key not in found]
     if missing:
-        found |= _sample(model_dir, wanted, missing, cache_path, task or default_family(model_dir), quiet)
+        found |= _sample(model_dir, wanted, missing, cache_path, task, quiet)
     return [found[key] for key in wanted]
 
 

@@ -158,9 +158,11 @@ class RetrofitConfig(BaseModel):
         if self.parametrization != "nvidia_separate":
             return self
         if self.window < 2:
-            raise ValueError(f"window: NVIDIA's layout needs a window larger than its paged block (at least 2), got {self.window}")
+            raise ValueError(f"window: NVIDIA's layout needs a window larger than its paged block (at least 2), "
+                             f"got {self.window}")
         if self.nvidia_block_size is not None and self.nvidia_block_size >= self.window:
-            raise ValueError(f"nvidia_block_size: {self.nvidia_block_size} must be smaller than the window ({self.window})")
+            raise ValueError(f"nvidia_block_size: {self.nvidia_block_size} must be smaller than the window "
+                             f"({self.window})")
         if self.threshold_problems:
             raise ValueError("threshold_problems: NVIDIA's layout has no decision threshold; with parametrization "
                              "nvidia_separate it must be 0")
@@ -583,7 +585,8 @@ def export_nvidia(model: nn.Module, tokenizer, gates: nn.ModuleList, ratio: floa
     """One ratio's gates with the model in NVIDIA's DMS layout (``dms_cr`` the ratio, ``dms_window_size`` the
     window), with the tokenizer and the base model's generation and task settings, ready to serve or to hand to
     NVIDIA's code."""
-    settings = dataclasses.replace(gates[0].dms, cr=float(ratio), window_size=config.window, block_size=config.block_size)
+    settings = dataclasses.replace(gates[0].dms, cr=float(ratio), window_size=config.window,
+                                   block_size=config.block_size)
     export_nvidia_layout(model, out_dir, settings, gates, tokenizer)
     for name in ("generation_config.json", "thinkpool.json"):
         if (Path(config.model) / name).is_file():

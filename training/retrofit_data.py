@@ -66,7 +66,8 @@ class ProblemText:
     pad_id: int
 
     @classmethod
-    def from_completions(cls, completions: list[Completion], seed: int, tokens_per_batch: int, pad_id: int) -> ProblemText:
+    def from_completions(cls, completions: list[Completion], seed: int, tokens_per_batch: int,
+                         pad_id: int) -> ProblemText:
         if not completions:
             raise ValueError("problems: no completions to train on")
         examples = sorted(((tuple(c.prompt_ids + c.completion_ids), len(c.prompt_ids)) for c in completions),

@@ -105,7 +105,8 @@ def cmd_train(args, parser) -> int:
     return 0
 
 
-RETROFIT_RECIPES = {False: Path("configs/retrofit_chain.yaml"), True: Path("configs/retrofit_byo.yaml")}  # by --problems
+# the default recipe, by whether --problems is given
+RETROFIT_RECIPES = {False: Path("configs/retrofit_chain.yaml"), True: Path("configs/retrofit_byo.yaml")}
 
 
 def cmd_retrofit(args, parser) -> int:
