@@ -42,6 +42,9 @@ class DMSHandle:
         gates.to(device=parameter.device)
         self._previous_attention = model.config._attn_implementation
         self._hooks: list[torch.utils.hooks.RemovableHandle] = []
+        for layer, gate in zip(getattr(model, "model", model).layers, gates):
+            if getattr(gate, "reads_layer_input", False):
+                self._hooks.append(layer.input_layernorm.register_forward_pre_hook(_hand_over(gate, layer.self_attn)))
         for module, gate in zip(self.modules, gates):
             module.dms = LayerState(mode="infer", window=config.window)
             self._hooks.append(module.register_forward_pre_hook(self._make_pre_hook(gate), with_kwargs=True))
@@ -119,6 +122,16 @@ class DMSHandle:
         for module in self.modules:
             del module.dms
         self.model.set_attn_implementation(self._previous_attention)
+
+
+def _hand_over(gate: nn.Module, attention: nn.Module):
+    """A pre-hook on a layer's input norm giving ``gate`` the layer's input (only while its gates run, so no hidden
+    state is kept otherwise); the gate takes it when the attention module's pre-hook calls it."""
+    def pre_hook(module, args):
+        state = getattr(attention, "dms", None)
+        gate.layer_input = args[0] if state is not None and state.mode != "off" else None
+
+    return pre_hook
 
 
 def attach_dms(model: nn.Module, gates: nn.ModuleList, config: DMSConfig) -> DMSHandle:

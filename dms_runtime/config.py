@@ -5,7 +5,10 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Literal
 
-Parametrization = Literal["adapter", "query_neuron"]
+# nvidia_separate: NVIDIA's separate gates (``dms_runtime.nvidia_layout.SeparateGate``), which read the layer's input
+# before its input norm; the one kind a retrofit can export in NVIDIA's layout.
+Parametrization = Literal["adapter", "query_neuron", "nvidia_separate"]
+PARAMETRIZATIONS = ("adapter", "query_neuron", "nvidia_separate")
 
 
 @dataclass(frozen=True)
@@ -26,8 +29,9 @@ class DMSConfig:
     threshold: float = 0.0  # evict where logit > threshold; raise it to evict less
 
     def __post_init__(self) -> None:
-        if self.parametrization not in ("adapter", "query_neuron"):
-            raise ValueError(f"parametrization must be 'adapter' or 'query_neuron', got {self.parametrization!r}")
+        if self.parametrization not in PARAMETRIZATIONS:
+            raise ValueError(f"parametrization must be one of {', '.join(PARAMETRIZATIONS)}, "
+                             f"got {self.parametrization!r}")
         if self.window < 0:
             raise ValueError(f"window must be >= 0, got {self.window}")
 

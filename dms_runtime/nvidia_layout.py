@@ -21,6 +21,7 @@ marked token is seen by the ``dms_window_size`` queries after it, which is think
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from collections.abc import Iterator, Mapping
@@ -86,7 +87,8 @@ class NvidiaDMSConfig:
     @property
     def dms_config(self) -> DMSConfig:
         """The same gates in thinkpool's terms (the window, the scale, the offset; threshold 0)."""
-        return DMSConfig(parametrization="adapter" if self.separate_alpha else "query_neuron", per_head=self.per_head,
+        return DMSConfig(parametrization="nvidia_separate" if self.separate_alpha else "query_neuron",
+                         per_head=self.per_head,
                          window=self.window_size, logit_scale=float(self.alpha_scale),
                          init_offset=-float(self.initial_alpha_offset))
 
@@ -191,8 +193,13 @@ class _NvidiaGate(nn.Module):
 
 class SeparateGate(_NvidiaGate):
     """``dms_proj_alpha(dms_proj_alpha_norm(x))`` of the layer input ``x`` before the input norm: a forward pre-hook
-    on the layer's ``input_layernorm`` hands it over (:class:`NvidiaGateHandle` installs it), since the attention
-    module, where DMS gates run, only sees the normalised input."""
+    on the layer's ``input_layernorm`` hands it over (any :class:`DMSHandle` installs it for a gate that
+    ``reads_layer_input``), since the attention module, where DMS gates run, only sees the normalised input.
+
+    ``config`` is the same gate in thinkpool's terms (parametrization ``nvidia_separate``); setting it moves the scale
+    and offset, as a retrofit's calibration does."""
+
+    reads_layer_input = True
 
     def __init__(self, hidden_size: int, num_kv_heads: int, dms: NvidiaDMSConfig, eps: float, bias: bool = False):
         super().__init__(dms, num_kv_heads if dms.per_head else 1)
@@ -209,6 +216,15 @@ class SeparateGate(_NvidiaGate):
                                "NvidiaGateHandle (or NvidiaAdapterSet), which hands it over")
         raw = _separate_raw(x, self.norm_weight, self.weight, self.bias, self.eps, self.decisions)
         return self._rows(_logits(raw, self.dms))
+
+    @property
+    def config(self) -> DMSConfig:
+        return self.dms.dms_config
+
+    @config.setter
+    def config(self, config: DMSConfig) -> None:
+        self.dms = dataclasses.replace(self.dms, alpha_scale=float(config.logit_scale),
+                                       initial_alpha_offset=-float(config.init_offset))
 
 
 class QueryChannelGate(_NvidiaGate):
@@ -282,6 +298,24 @@ def build_gates(model: nn.Module, dms: NvidiaDMSConfig,
     return gates.to(parameter.device)
 
 
+def export_block_size(window: int) -> int:
+    """NVIDIA's paged-attention block for gates of ``window``: the largest power of two below the window, at most 256
+    (its default); its code refuses a window that is not larger than the block."""
+    if window < 2:
+        raise ValueError(f"window: NVIDIA's layout needs a window larger than its paged block (at least 2), "
+                         f"got {window}")
+    return min(256, 1 << ((window - 1).bit_length() - 1))
+
+
+def separate_config(config: DMSConfig, cr: float = NvidiaDMSConfig.cr,
+                    block_size: int | None = None) -> NvidiaDMSConfig:
+    """NVIDIA's settings for separate gates of thinkpool's ``config`` (``nvidia_separate``), served as ``cr``; the
+    block size defaults to :func:`export_block_size`."""
+    return NvidiaDMSConfig(alpha_scale=float(config.logit_scale), initial_alpha_offset=-float(config.init_offset),
+                           window_size=config.window, block_size=block_size or export_block_size(config.window), cr=cr,
+                           separate_alpha=True, alpha_per="head" if config.per_head else "layer")
+
+
 def _tensor(tensors: Mapping[str, torch.Tensor], name: str, shape: torch.Size) -> torch.Tensor:
     if name not in tensors:
         raise ValueError(f"{name}: missing from the checkpoint (dms_separate_alpha is true)")
@@ -314,23 +348,8 @@ def read_gate_tensors(model_dir: str | Path) -> dict[str, torch.Tensor]:
 
 # -- attaching -------------------------------------------------------------------------------------------------
 class NvidiaGateHandle(DMSHandle):
-    """A :class:`DMSHandle` that also hands each separate gate its layer's input before the input norm (only while
-    its layer's gate runs, so no hidden state is kept otherwise); detaching removes those hooks too."""
-
-    def __init__(self, model: nn.Module, gates: nn.ModuleList, config: DMSConfig):
-        super().__init__(model, gates, config)
-        layers = getattr(model, "model", model).layers
-        for layer, gate in zip(layers, gates):
-            if isinstance(gate, SeparateGate):
-                self._hooks.append(layer.input_layernorm.register_forward_pre_hook(_hand_over(gate, layer.self_attn)))
-
-
-def _hand_over(gate: SeparateGate, attention: nn.Module):
-    def pre_hook(module, args):
-        state = getattr(attention, "dms", None)
-        gate.layer_input = args[0] if state is not None and state.mode != "off" else None
-
-    return pre_hook
+    """A :class:`DMSHandle` for NVIDIA's gates: every DMS handle hands a separate gate its layer's input before the
+    input norm (``dms_runtime.attach``), so a retrofit trains these gates on exactly what serving feeds them."""
 
 
 @dataclass

@@ -184,14 +184,27 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--config", type=Path, default=Path("configs/train_base.yaml"))
     train.add_argument("--steps", type=bounded(int, 1), default=None, help="stop after this many steps")
     retrofit = commands.add_parser("retrofit", help="train DMS adapters for a model (resumable)")
-    retrofit.add_argument("--config", type=Path, default=Path("configs/retrofit_chain.yaml"))
+    retrofit.add_argument("--config", type=Path, default=None,
+                          help="the recipe (default: configs/retrofit_byo.yaml with --problems, "
+                               "else configs/retrofit_chain.yaml)")
     retrofit.add_argument("--model", type=Path, default=None, help="base model directory (overrides the config)")
+    retrofit.add_argument("--problems", type=Path, default=None,
+                          help="JSONL file of {id, prompt}: distil on the model's own sampled completions of these "
+                               "prompts (cached in the output directory) instead of generated chain problems")
+    retrofit.add_argument("--task", choices=FAMILIES, default=None,
+                          help="task family of --problems rows that name none (default: the model's)")
+    retrofit.add_argument("--max-new-tokens", type=bounded(int, 1, 131072), default=None,
+                          help="the longest completion sampled per prompt (with --problems)")
     retrofit.add_argument("--output", type=Path, default=None,
                           help="where adapters go (default: beside the model; with --full-finetune: MODEL-dms)")
     retrofit.add_argument("--ratios", type=bounded(float, 1.01, 64), nargs="+", default=None,
                           help="compression ratios to snapshot, e.g. 2 4 8")
     retrofit.add_argument("--window", type=bounded(int, 0, 1_000_000), default=None)
-    retrofit.add_argument("--parametrization", choices=["adapter", "query_neuron"], default=None)
+    retrofit.add_argument("--parametrization", choices=["adapter", "query_neuron", "nvidia_separate"], default=None,
+                          help="nvidia_separate: NVIDIA's separate gates (reading the layer input before its norm)")
+    retrofit.add_argument("--layout", choices=["thinkpool", "nvidia"], default=None,
+                          help="nvidia: also export every ratio as a model directory in NVIDIA's DMS layout, "
+                               "OUTPUT/nvidia-<CR>x (needs --parametrization nvidia_separate)")
     retrofit.add_argument("--per-layer", action="store_true", help="one decision per layer instead of per KV head")
     retrofit.add_argument("--full-finetune", action="store_true", help="train all weights, not only the gates")
     retrofit.add_argument("--steps", type=bounded(int, 1), default=None, help="stop after this many steps")

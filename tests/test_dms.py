@@ -434,8 +434,8 @@ def inference_decisions(model_dir, adapter, batch) -> tuple[torch.Tensor, DMSCon
 def test_gate_warm_start_moves_the_gates_to_the_eviction_target(tmp_path):
     import random
 
-    from training.chain_data import difficulty_batch
-    from training.retrofit import RetrofitConfig, evicted_fraction, eviction_target, retrofit, sample_lengths
+    from training.chain_data import difficulty_batch, sample_lengths
+    from training.retrofit import RetrofitConfig, evicted_fraction, eviction_target, retrofit
     from tasks.chain_tokenizer import build_tokenizer
 
     tokenizer = build_tokenizer()

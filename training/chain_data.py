@@ -31,7 +31,7 @@ class Batch:
     input_ids: torch.Tensor  # [n, L]
     labels: torch.Tensor  # [n, L]: the token itself on completion positions, IGNORE elsewhere
     lengths: torch.Tensor  # [n]: tokens per example
-    k: int
+    k: int | None  # the chain problems' difficulty; None for text of another task
 
     @property
     def loss_mask(self) -> torch.Tensor:
@@ -54,8 +54,13 @@ def difficulty_batch(tokenizer, rng: random.Random, k_min: int, k_max: int, toke
         ids, prompt_len = encode_example(tokenizer, generate_problem(rng, k), order_rng, reversed_minus)
         examples.append((ids, prompt_len))
         total += len(ids)
+    return pad_examples(examples, tokenizer.pad_token_id, k)
+
+
+def pad_examples(examples: list[tuple[list[int], int]], pad_id: int, k: int | None = None) -> Batch:
+    """Examples (token ids, prompt length) right-padded into one batch; the tokens after each prompt are labelled."""
     width = max(len(ids) for ids, _ in examples)
-    input_ids = torch.full((len(examples), width), tokenizer.pad_token_id)
+    input_ids = torch.full((len(examples), width), pad_id)
     labels = torch.full((len(examples), width), IGNORE)
     for row, (ids, prompt_len) in enumerate(examples):
         input_ids[row, : len(ids)] = torch.tensor(ids)

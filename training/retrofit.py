@@ -24,15 +24,21 @@ shipped model, evicting by that rule alone keeps the KL near zero at 2x, whereas
 alone through the straight-through estimator find it only slowly: its gradient reaches a gate only while
 its logit is near the threshold.
 
+The training text (``training.retrofit_data``) is generated chain problems with their reference chain of thought
+(the shipped recipe), or, with ``problems``, the user's prompts with the frozen model's own sampled completions
+(``training.completions``, cached in the output directory): then any model and task family can be retrofitted.
+
 Adapter-only output goes beside the base model; full fine-tuning writes a new model directory (its
-weights, tokenizer and adapters), since the adapters then belong to the fine-tuned weights.
+weights, tokenizer and adapters), since the adapters then belong to the fine-tuned weights. NVIDIA's separate gates
+(``parametrization: nvidia_separate``) read the layer's input before its input norm, as NVIDIA's code does; with
+``layout: nvidia`` every ratio is then also exported as a model directory in NVIDIA's DMS layout.
 """
 
 from __future__ import annotations
 
 import copy
 import dataclasses
-import random
+import shutil
 import time
 from pathlib import Path
 from typing import Literal
@@ -46,13 +52,16 @@ from dms_runtime.adapters import adapter_path, load_gates, read_adapter_metadata
 from dms_runtime.attach import attach_dms
 from dms_runtime.attention import shifted_decisions
 from training.base_model import export
-from training.chain_data import Batch, difficulty_batch, long_lived_mask, sample_lengths
+from training.chain_data import Batch, long_lived_mask
+from training.completions import sample_completions
+from training.retrofit_data import ChainText, TrainingText, training_text
 from dms_runtime.config import DMSConfig
 from dms_runtime.gates import build_gates
 from training.gate_labels import RoleLabels, eligible_mask, far_attention_labels, left_window_mask, sampled_quantile
 from dms_runtime.loading import load_model
+from dms_runtime.nvidia_layout import export_block_size, export_nvidia_layout
+from tasks.families import FAMILIES
 from training.precision import autocast
-from tasks.chain_tokenizer import writes_reversed_minus_lines
 from training.yaml_config import load_yaml_config
 
 
@@ -60,7 +69,17 @@ class RetrofitConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
     model: str = "checkpoints/chain-qwen3"
     output: str | None = None  # where adapters go; default: beside the base model
-    parametrization: str = "adapter"
+    # The training text: a problem file (JSONL of {id, prompt}) whose prompts the frozen model completes, by task
+    # family (default: the model's); none: generated chain problems (k_min..k_max, any_order).
+    problems: str | None = None
+    task: str | None = None
+    completions_per_problem: int = Field(1, ge=1)
+    max_new_tokens: int = Field(2048, ge=1)  # per completion
+    # nvidia_separate: NVIDIA's separate gates (reading the layer's input before its input norm), exportable in
+    # NVIDIA's layout (``layout: nvidia``, its paged block nvidia_block_size; default: below the window).
+    parametrization: Literal["adapter", "query_neuron", "nvidia_separate"] = "adapter"
+    layout: Literal["thinkpool", "nvidia"] = "thinkpool"
+    nvidia_block_size: int | None = Field(None, ge=1)
     per_head: bool = True
     window: int = Field(16, ge=0)
     logit_scale: float = 100.0
@@ -118,6 +137,38 @@ class RetrofitConfig(BaseModel):
     checkpoint_every: int = Field(25, gt=0)
 
     @model_validator(mode="after")
+    def _text_fits_the_recipe(self) -> RetrofitConfig:
+        if self.problems is None:
+            if self.task is not None:
+                raise ValueError("task: names the family of a problem file's rows; it needs problems")
+            return self
+        if self.warmstart_labels == "cot_roles":
+            raise ValueError("warmstart_labels: cot_roles labels the roles of the chain task's reference chain of "
+                             "thought; a problem file's completions have none: use per_head or per_token")
+        if self.threshold_problems:
+            raise ValueError("threshold_problems: thresholds are fitted on generated chain problems; with a problem "
+                             "file it must be 0")
+        return self
+
+    @model_validator(mode="after")
+    def _nvidia_layout(self) -> RetrofitConfig:
+        if self.layout == "nvidia" and self.parametrization != "nvidia_separate":
+            raise ValueError(f"layout: nvidia exports NVIDIA's separate gates, which read the layer's input before its "
+                             f"norm; it needs parametrization nvidia_separate, not {self.parametrization}")
+        if self.parametrization != "nvidia_separate":
+            return self
+        if self.window < 2:
+            raise ValueError(f"window: NVIDIA's layout needs a window larger than its paged block (at least 2), "
+                             f"got {self.window}")
+        if self.nvidia_block_size is not None and self.nvidia_block_size >= self.window:
+            raise ValueError(f"nvidia_block_size: {self.nvidia_block_size} must be smaller than the window "
+                             f"({self.window})")
+        if self.threshold_problems:
+            raise ValueError("threshold_problems: NVIDIA's layout has no decision threshold; with parametrization "
+                             "nvidia_separate it must be 0")
+        return self
+
+    @model_validator(mode="after")
     def _something_to_train(self) -> RetrofitConfig:
         if self.freeze_gates and not self.full_finetune:
             raise ValueError("freeze_gates needs full_finetune: with frozen gates and frozen weights nothing trains")
@@ -126,6 +177,13 @@ class RetrofitConfig(BaseModel):
         if self.gate_supervision and self.freeze_gates:
             raise ValueError("gate_supervision trains the gates: it cannot be combined with freeze_gates")
         return self
+
+    @field_validator("task")
+    @classmethod
+    def _known_task(cls, task: str | None) -> str | None:
+        if task is not None and task not in FAMILIES:
+            raise ValueError(f"unknown task family {task!r}; known: {', '.join(FAMILIES)}")
+        return task
 
     @field_validator("ratios")
     @classmethod
@@ -148,10 +206,18 @@ class RetrofitConfig(BaseModel):
         return self.ramp_steps + self.hold_steps
 
     @property
+    def block_size(self) -> int:
+        """NVIDIA's paged block of the export (``nvidia_separate``): ``nvidia_block_size``, else below the window."""
+        return self.nvidia_block_size or export_block_size(self.window)
+
+    @property
     def output_dir(self) -> Path:
+        """Adapter-only: beside the base model. Full fine-tuning, or NVIDIA's separate gates (which thinkpool's
+        engine serves from their NVIDIA-layout export, not beside the model): ``<model>-dms``."""
         if self.output:
             return Path(self.output)
-        return Path(f"{self.model.rstrip('/')}-dms") if self.full_finetune else Path(self.model)
+        apart = self.full_finetune or self.parametrization == "nvidia_separate"
+        return Path(f"{self.model.rstrip('/')}-dms") if apart else Path(self.model)
 
 
 def resolve_device(device: str) -> str:
@@ -162,11 +228,8 @@ def resolve_device(device: str) -> str:
 
 def chain_batch(config: RetrofitConfig, tokenizer, offset: int, k_min: int | None = None,
                 k_max: int | None = None) -> Batch:
-    """The batch of seed ``offset`` (each use of batches has its own stream), drawn as the base model was trained
-    (``-`` lines in both forms when its tokenizer says it writes them so)."""
-    return difficulty_batch(tokenizer, random.Random(config.seed * 1_000_003 + offset), k_min or config.k_min,
-                            k_max or config.k_max, config.tokens_per_batch, config.any_order,
-                            writes_reversed_minus_lines(tokenizer))
+    """The chain batch of seed ``offset`` (see :class:`~training.retrofit_data.ChainText`)."""
+    return ChainText.from_config(config, tokenizer).batch(offset, k_min, k_max)
 
 
 def target_ratio(step: int, final: float, config: RetrofitConfig) -> float:
@@ -265,19 +328,19 @@ def gate_label_loss(config: RetrofitConfig, tokenizer, batch, far: list[torch.Te
 
 
 @torch.no_grad()
-def plan_role_labels(model, handle, row_gates: nn.ModuleList, config: RetrofitConfig, tokenizer) -> RoleLabels:
+def plan_role_labels(model, handle, row_gates: nn.ModuleList, config: RetrofitConfig, text: ChainText) -> RoleLabels:
     """Role labels' bands and thresholds from the frozen model's far attention on fresh calibration batches,
     one per difficulty (the eval's ratio weighs every problem, short or long, the same)."""
     probes = []
     for k in range(config.k_min, config.k_max + 1):
-        batch = chain_batch(config, tokenizer, 15_485_863 * k, k, k)
+        batch = text.batch(15_485_863 * k, k, k)
         _, far, _ = probe_pass(model, handle, row_gates, batch, len(config.ratios))
-        probes.append(([f.float().cpu() for f in far], long_lived_mask(tokenizer, batch), batch.lengths))
+        probes.append(([f.float().cpu() for f in far], long_lived_mask(text.tokenizer, batch), batch.lengths))
     return RoleLabels.plan(probes, config.ratios, config.window)
 
 
-def warm_start(model, handle, row_gates: nn.ModuleList, config: RetrofitConfig, tokenizer, fractions: list[float],
-               roles: RoleLabels | None, quiet: bool) -> list[float]:
+def warm_start(model, handle, row_gates: nn.ModuleList, config: RetrofitConfig, tokenizer, text: TrainingText,
+               fractions: list[float], roles: RoleLabels | None, quiet: bool) -> list[float]:
     """Teach every ratio's gates its labels: ``roles``' when given, else what the frozen model attends to least
     from beyond the window, each at its eviction target (``fractions``); returns each ratio's eviction fraction as labelled (its target,
     or less where bands were kept whole)."""
@@ -285,7 +348,7 @@ def warm_start(model, handle, row_gates: nn.ModuleList, config: RetrofitConfig, 
     optimizer = torch.optim.AdamW(row_gates.parameters(), lr=config.warmstart_lr, weight_decay=0.0)
     bar = tqdm(range(config.warmstart_steps), desc="gate warm start", disable=quiet)
     for step in bar:
-        batch = chain_batch(config, tokenizer, 7_919 * (step + 1))
+        batch = text.batch(7_919 * (step + 1))
         row_ratio, far, decisions = probe_pass(model, handle, row_gates, batch, len(config.ratios))
         loss, shown = gate_label_loss(config, tokenizer, batch, far, decisions, row_ratio, fractions, roles, labelled)
         optimizer.zero_grad(set_to_none=True)
@@ -293,19 +356,19 @@ def warm_start(model, handle, row_gates: nn.ModuleList, config: RetrofitConfig, 
         optimizer.step()
         bar.set_postfix(bce=f"{loss.item():.3f}", label_agreement=shown)
     labelled_fractions = [evicted / max(1.0, eligible) for evicted, eligible in labelled]
-    calibrate_offsets(model, handle, row_gates, config, tokenizer, labelled_fractions)
+    calibrate_offsets(model, handle, row_gates, config, text, labelled_fractions)
     return labelled_fractions
 
 
 @torch.no_grad()
-def calibrate_offsets(model, handle, row_gates: nn.ModuleList, config: RetrofitConfig, tokenizer, fractions: list[float],
-                      batches: int = 8) -> None:
+def calibrate_offsets(model, handle, row_gates: nn.ModuleList, config: RetrofitConfig, text: TrainingText,
+                      fractions: list[float], batches: int = 8) -> None:
     """Shift each ratio's logit offset so that, on fresh batches, it evicts exactly its target fraction of the
     tokens that left the window (the weighted labels of the warm start leave the gates on the keeping side)."""
     ratios = len(config.ratios)
     collected: list[list[torch.Tensor]] = [[] for _ in range(ratios)]
     for index in range(batches):
-        batch = chain_batch(config, tokenizer, -104_729 * (index + 1))
+        batch = text.batch(-104_729 * (index + 1))
         row_ratio, _, decisions = probe_pass(model, handle, row_gates, batch, ratios)
         for r in range(ratios):
             collected[r].append(ratio_logits(decisions, row_ratio, batch.lengths, config.window, r).detach().float().cpu())
@@ -337,15 +400,22 @@ def set_offsets(per_ratio: list[nn.ModuleList], offsets: list[float]) -> None:
 
 
 class RowGates(nn.Module):
-    """One layer's gates for every ratio; each batch row uses the gates of its ratio (``row_ratio``)."""
+    """One layer's gates for every ratio; each batch row uses the gates of its ratio (``row_ratio``). Gates that read
+    the layer's input before its norm (NVIDIA's separate gates) are each handed what the handle hands this module."""
 
     def __init__(self, gates: list[nn.Module]):
         super().__init__()
         self.gates = nn.ModuleList(gates)
         self.query_channels = gates[0].query_channels
         self.row_ratio = torch.zeros(0, dtype=torch.long)
+        self.reads_layer_input = any(getattr(gate, "reads_layer_input", False) for gate in gates)
+        self.layer_input: torch.Tensor | None = None
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        if self.reads_layer_input:
+            layer_input, self.layer_input = self.layer_input, None
+            for gate in self.gates:
+                gate.layer_input = layer_input
         logits = torch.stack([gate(hidden) for gate in self.gates])  # [ratios, rows, T, decisions]
         row_ratio = self.row_ratio.to(hidden.device)
         index = row_ratio.clamp(min=0)[None, :, None, None].expand(1, -1, *logits.shape[2:])
@@ -357,9 +427,14 @@ def retrofit(config: RetrofitConfig, steps: int | None = None, quiet: bool = Fal
     """Train (or resume) the gates of every ratio together; returns the adapter paths written at the end."""
     torch.manual_seed(config.seed)
     device = resolve_device(config.device)
-    model, tokenizer = load_model(config.model, device=device, dtype=torch.bfloat16 if device == "cuda" else torch.float32)
     out_dir = config.output_dir
     out_dir.mkdir(parents=True, exist_ok=True)
+    completions = None
+    if config.problems is not None:  # sampled before training loads its model: the engine's copy is gone by then
+        completions = sample_completions(config.model, config.problems, out_dir, config.task,
+                                         config.completions_per_problem, config.max_new_tokens, config.seed, quiet)
+    model, tokenizer = load_model(config.model, device=device, dtype=torch.bfloat16 if device == "cuda" else torch.float32)
+    text = training_text(config, tokenizer, completions)
     teacher = copy.deepcopy(model) if config.full_finetune else model
     for parameter in teacher.parameters():
         parameter.requires_grad_(False)
@@ -399,17 +474,17 @@ def retrofit(config: RetrofitConfig, steps: int | None = None, quiet: bool = Fal
         start = state["step"]
     elif config.continue_from:
         if config.warmstart_labels == "cot_roles":  # planned on the base weights, as the run being continued did
-            roles = plan_role_labels(model, handle, row_gates, config, tokenizer)
+            roles = plan_role_labels(model, handle, row_gates, config, text)
         start, warm_fractions, label_thresholds = continue_from_export(model, per_ratio, config)
         if roles is not None:
             roles.thresholds = label_thresholds  # what its labels were: the plan repeated on other hardware may round apart
     end = min(config.total_steps, start + steps) if steps is not None else config.total_steps
-    lengths = sample_lengths(tokenizer, config.k_min, config.k_max)
+    lengths = text.lengths()
     label_fractions = [eviction_target(final, dms.window, lengths) for final in config.ratios]  # the labels' targets
     if config.warmstart_labels == "cot_roles" and roles is None:
-        roles = plan_role_labels(model, handle, row_gates, config, tokenizer)
+        roles = plan_role_labels(model, handle, row_gates, config, text)
     if start == 0 and config.warmstart_steps:
-        warm_fractions = warm_start(model, handle, row_gates, config, tokenizer, label_fractions, roles, quiet)
+        warm_fractions = warm_start(model, handle, row_gates, config, tokenizer, text, label_fractions, roles, quiet)
     if config.freeze_gates:
         row_gates.requires_grad_(False)
     ratios = len(config.ratios)
@@ -420,7 +495,7 @@ def retrofit(config: RetrofitConfig, steps: int | None = None, quiet: bool = Fal
     for step in bar:
         targets = [target_ratio(step, final, config) for final in config.ratios]
         fraction_targets = warm_fractions or [eviction_target(t, dms.window, lengths) for t in targets]
-        batch = chain_batch(config, tokenizer, step)
+        batch = text.batch(step)
         input_ids = batch.input_ids.to(device)
         groups = ratios + 1 if anchors else ratios
         row_ratio = torch.arange(len(input_ids)) % groups - (1 if anchors else 0)  # -1: an anchor row
@@ -470,7 +545,7 @@ def retrofit(config: RetrofitConfig, steps: int | None = None, quiet: bool = Fal
             group["lr"] = base_lr * lr_scale(step, config)
         optimizer.step()
         handle.set_mode("infer")
-        bar.set_postfix(kl=f"{kl.item():.4f}", k=batch.k, **shown,
+        bar.set_postfix(kl=f"{kl.item():.4f}", **({"k": batch.k} if batch.k is not None else {}), **shown,
                         s_per_step=f"{(time.perf_counter() - began) / (step - start + 1):.1f}")
         if (step + 1) % config.checkpoint_every == 0 or step + 1 == end:
             state = {"gates": row_gates.state_dict(), "optimizer": optimizer.state_dict(), "step": step + 1,
@@ -499,7 +574,24 @@ def retrofit(config: RetrofitConfig, steps: int | None = None, quiet: bool = Fal
     handle.detach()
     if teacher_handle is not None and teacher_handle is not handle:
         teacher_handle.detach()
+    if written and config.layout == "nvidia":
+        for final, gates in zip(config.ratios, per_ratio):
+            export_nvidia(model, tokenizer, gates, final, config, out_dir / f"nvidia-{final:g}x")
     return written
+
+
+def export_nvidia(model: nn.Module, tokenizer, gates: nn.ModuleList, ratio: float, config: RetrofitConfig,
+                  out_dir: Path) -> Path:
+    """One ratio's gates with the model in NVIDIA's DMS layout (``dms_cr`` the ratio, ``dms_window_size`` the
+    window), with the tokenizer and the base model's generation and task settings, ready to serve or to hand to
+    NVIDIA's code."""
+    settings = dataclasses.replace(gates[0].dms, cr=float(ratio), window_size=config.window,
+                                   block_size=config.block_size)
+    export_nvidia_layout(model, out_dir, settings, gates, tokenizer)
+    for name in ("generation_config.json", "thinkpool.json"):
+        if (Path(config.model) / name).is_file():
+            shutil.copyfile(Path(config.model) / name, out_dir / name)
+    return out_dir
 
 
 def continue_from_export(model: nn.Module, per_ratio: list[nn.ModuleList], config: RetrofitConfig

@@ -129,27 +129,49 @@ def cmd_train(args, parser) -> int:
     return 0
 
 
+# the default recipe, by whether --problems is given
+RETROFIT_RECIPES = {False: Path("configs/retrofit_chain.yaml"), True: Path("configs/retrofit_byo.yaml")}
+
+
 def cmd_retrofit(args, parser) -> int:
     from pydantic import ValidationError
 
+    from tasks.families import default_family
+    from tasks.jsonl import ProblemFileError
+    from training.completions import read_problem_file
     from training.retrofit import RetrofitConfig, retrofit
     from training.yaml_config import ConfigFileError
 
     overrides = {
         "model": str(args.model) if args.model else None,
         "output": str(args.output) if args.output else None,
+        "problems": str(args.problems) if args.problems else None,
+        "task": args.task,
+        "max_new_tokens": args.max_new_tokens,
         "ratios": args.ratios,
         "window": args.window,
         "parametrization": args.parametrization,
+        "layout": args.layout,
         "per_head": False if args.per_layer else None,
         "full_finetune": True if args.full_finetune else None,
     }
+    overrides = {k: v for k, v in overrides.items() if v is not None}
     try:
-        config = RetrofitConfig.from_yaml(args.config, **{k: v for k, v in overrides.items() if v is not None})
-    except (ValidationError, ConfigFileError) as error:
+        config = RetrofitConfig.from_yaml(args.config or RETROFIT_RECIPES[args.problems is not None], **overrides)
+    except ConfigFileError as error:
         parser.error(f"argument --config: {error}")
+    except ValidationError as error:
+        parser.error(config_error(error, overrides))
     if not (Path(config.model) / "config.json").is_file():
         parser.error(f"argument --model: no model at {config.model}")
+    if config.problems is not None:  # checked here, before any model loads
+        try:
+            read_problem_file(config.problems, config.task or default_family(config.model))
+        except ProblemFileError as error:
+            parser.error(f"argument --problems: {error}")
+    if args.thresholds_only and (config.problems is not None or config.parametrization == "nvidia_separate"):
+        parser.error("argument --thresholds-only: thresholds are fitted on generated chain problems with thinkpool's "
+                     "adapter gates; not with a problem file or parametrization nvidia_separate")
     if args.thresholds_only:
         from training.thresholds import DEFAULT_PROBLEMS
 
@@ -157,9 +179,26 @@ def cmd_retrofit(args, parser) -> int:
     written = retrofit(config, steps=args.steps)
     for path in written:
         print(f"adapter: {path}")
+    if written and config.layout == "nvidia":
+        for ratio in config.ratios:
+            print(f"nvidia layout: {config.output_dir / f'nvidia-{ratio:g}x'}")
     if written and config.threshold_problems:
         return fit_adapter_thresholds(config, parser, config.threshold_problems)
     return 0
+
+
+def config_error(error, given: dict) -> str:
+    """The first problem of a retrofit config as a usage error: ``argument --OPTION: field: message`` when the command
+    line set the field, else ``argument --config: field: message``."""
+    first = error.errors()[0]
+    message = str(first["msg"]).removeprefix("Value error, ")
+    field = str(first["loc"][0]) if first["loc"] else message.partition(":")[0]
+    if first["loc"]:
+        message = f"{field}: {message}"
+    if field not in given:
+        return f"argument --config: {message}"
+    option = "--per-layer" if field == "per_head" else f"--{field.replace('_', '-')}"
+    return f"argument {option}: {message.removeprefix(f'{field}: ')}"
 
 
 def fit_adapter_thresholds(config, parser, problems: int) -> int:
