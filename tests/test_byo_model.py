@@ -282,3 +282,26 @@ def test_problem_file_rows_name_their_task(tmp_path):
     path.write_text(json.dumps({"id": "r", "prompt": FOUR, "task": "regex"}) + "\n")
     with pytest.raises(ProblemFileError, match="field 'answer_pattern': the regex task needs a pattern"):
         read_problems(path)
+
+
+def test_the_served_fingerprint_changes_with_the_gates_alone(nvidia_dir, tmp_path):
+    """Results are cached by the worker's fingerprint: gates retrained over the same weights must not be answered
+    from the old gates' cache (transformers leaves an NVIDIA directory's gates out of the model it loads)."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from workers.worker import ModelWorker, WorkerConfig
+
+    changed = tmp_path / "model"
+    shutil.copytree(nvidia_dir, changed)
+    tensors = load_file(changed / "model.safetensors")
+    name = "model.layers.1.self_attn.dms_proj_alpha.weight"
+    tensors[name] = -tensors[name]
+    save_file(tensors, changed / "model.safetensors", metadata={"format": "pt"})
+    prints = []
+    for path in (nvidia_dir, nvidia_dir, changed):
+        worker = ModelWorker(WorkerConfig(model=str(path), kv_budget_bytes=100_000, device="cpu", torch_threads=1))
+        prints.append(worker.fingerprint)
+        worker.engine.close()
+    assert prints[0] == prints[1] != prints[2]

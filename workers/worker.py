@@ -151,7 +151,9 @@ class ModelWorker:
             torch.set_num_threads(config.torch_threads)
         self.config = config
         self.engine = build_engine(config)
-        self.fingerprint = model_fingerprint(self.engine.model)  # the weights' identity: results are cached by it
+        # The served weights' identity, gates included (a retrained adapter or an NVIDIA directory's gates, which
+        # transformers leaves out of the model, change it): results are cached by it.
+        self.fingerprint = model_fingerprint(self.engine.model, self.engine.adapters.banks)
         self._lock = threading.Lock()
         self._work = threading.Event()
         self._listeners: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
