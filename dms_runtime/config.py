@@ -5,10 +5,13 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Literal
 
-# nvidia_separate: NVIDIA's separate gates (``dms_runtime.nvidia_layout.SeparateGate``), which read the layer's input
+# nvidia_separate: NVIDIA's separate gates (``dms_runtime.nvidia_gates.SeparateGate``), which read the layer's input
 # before its input norm; the one kind a retrofit can export in NVIDIA's layout.
 Parametrization = Literal["adapter", "query_neuron", "nvidia_separate"]
 PARAMETRIZATIONS = ("adapter", "query_neuron", "nvidia_separate")
+# A batch row's gate index when it runs without gates (cr 1), and the logit such a row's gates give: never evict.
+NO_GATE = -1
+NEVER = -1e9
 
 
 @dataclass(frozen=True)

@@ -18,12 +18,10 @@ import torch
 from torch import nn
 
 from dms_runtime.attach import DMSHandle, attach_dms
-from dms_runtime.config import DMSConfig
+from dms_runtime.config import NEVER, NO_GATE, DMSConfig
 from dms_runtime.gates import EvictionGate
 from dms_runtime.kv_growth import KVGrowth
 
-NO_GATE = -1
-NEVER = -1e9
 
 
 class GateBank(nn.Module):

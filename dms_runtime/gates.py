@@ -6,7 +6,7 @@ Two parametrizations, as in the DMS paper and its reference code:
 * ``query_neuron``: one channel of the query projection (the last channel of the first query head of each
   KV group) is repurposed: its value is the logit, and the channel is zeroed before attention.
 
-A third, ``nvidia_separate``, is NVIDIA's own separate gate (``dms_runtime.nvidia_layout.SeparateGate``): like
+A third, ``nvidia_separate``, is NVIDIA's own separate gate (``dms_runtime.nvidia_gates.SeparateGate``): like
 ``adapter`` but reading the layer's input before its input norm, and exportable in NVIDIA's layout.
 
 Either way the gate sees the hidden state at position ``t`` and decides about the token at ``t - 1``
@@ -18,6 +18,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from dms_runtime import nvidia_gates
 from dms_runtime.config import DMSConfig
 
 
@@ -63,9 +64,7 @@ def query_channels_for(num_heads: int, num_kv_heads: int, head_dim: int, per_hea
 def build_gates(model: nn.Module, config: DMSConfig) -> nn.ModuleList:
     """One untrained gate per decoder layer of a Hugging Face Llama/Qwen3-style model."""
     if config.parametrization == "nvidia_separate":
-        from dms_runtime import nvidia_layout  # here, not above: it imports gate_bank, which imports this module
-
-        return nvidia_layout.build_gates(model, nvidia_layout.separate_config(config))
+        return nvidia_gates.build_gates(model, nvidia_gates.separate_config(config))
     c = model.config
     head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
     decisions = c.num_key_value_heads if config.per_head else 1

@@ -19,7 +19,8 @@ import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
 
-from dms_runtime.nvidia_layout import NvidiaDMSConfig, build_gates, export_nvidia_layout
+from dms_runtime.nvidia_gates import NvidiaDMSConfig, build_gates
+from dms_runtime.nvidia_layout import export_nvidia_layout
 from tasks.families import get_family
 
 SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>"]

@@ -14,14 +14,11 @@ from dms_runtime.cache import DMSCache
 from dms_runtime.config import DMSConfig
 from dms_runtime.gate_bank import NEVER
 from dms_runtime.gates import build_gates as build_thinkpool_gates
+from dms_runtime.nvidia_gates import NvidiaDMSConfig, SeparateGate, build_gates, gate_logits
 from dms_runtime.nvidia_layout import (
     NvidiaAdapterSet,
-    NvidiaDMSConfig,
     NvidiaGateHandle,
-    SeparateGate,
-    build_gates,
     export_nvidia_layout,
-    gate_logits,
     load_nvidia_layout,
     read_dms_config,
     read_gate_tensors,

@@ -15,7 +15,8 @@ from pydantic import ValidationError
 from dms_runtime.adapters import load_gates, read_adapter_metadata
 from dms_runtime.attach import attach_dms
 from dms_runtime.loading import load_model
-from dms_runtime.nvidia_layout import NvidiaDMSConfig, SeparateGate, build_gates, gate_logits, load_nvidia_layout
+from dms_runtime.nvidia_gates import NvidiaDMSConfig, SeparateGate, build_gates, gate_logits
+from dms_runtime.nvidia_layout import load_nvidia_layout
 from orchestrator.cli import main
 from tasks.chain_tokenizer import build_tokenizer, writes_reversed_minus_lines
 from tasks.families import get_family

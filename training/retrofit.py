@@ -59,7 +59,8 @@ from dms_runtime.config import DMSConfig
 from dms_runtime.gates import build_gates
 from training.gate_labels import RoleLabels, eligible_mask, far_attention_labels, left_window_mask, sampled_quantile
 from dms_runtime.loading import load_model
-from dms_runtime.nvidia_layout import export_block_size, export_nvidia_layout
+from dms_runtime.nvidia_gates import export_block_size
+from dms_runtime.nvidia_layout import export_nvidia_layout
 from tasks.families import FAMILIES
 from training.precision import autocast
 from training.yaml_config import load_yaml_config
