@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from byo_models import ANSWERS, CONTEXT, GENERATION, bpe_tokenizer, nvidia_config, write_model_dir
+from cli_runner import cli
 from orchestrator.api import create_app
 from orchestrator.jobs import MemoryJobStore
 from orchestrator.service import service_factory
@@ -159,17 +160,6 @@ def test_an_nvidia_directory_is_served_as_it_is_at_its_dms_cr(nvidia_dir):
 
 
 # -- the CLI ----------------------------------------------------------------------------------------------------
-def cli(capsys, *args: str) -> tuple[int, str, str]:
-    from orchestrator.cli import main
-
-    try:
-        code = main(list(args))
-    except SystemExit as exit:
-        code = exit.code
-    captured = capsys.readouterr()
-    return code, captured.out, captured.err
-
-
 def test_info_reads_the_directory_without_its_weights(capsys, nvidia_dir, tmp_path):
     code, out, _ = cli(capsys, "info", "--model", str(nvidia_dir), "--json")
     info = json.loads(out)

@@ -11,6 +11,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from byo_models import nvidia_config, write_model_dir
+from cli_runner import cli
 from dms_runtime.kv_growth import GROWTH_FILE, KVGrowth, read_growth_file, write_growth_file
 from tasks.jsonl import read_problems
 from workers.kv_budget import KVBudgetModel
@@ -24,17 +25,6 @@ PROMPTS = [{"prompt": "Tell me a long story about cats."},  # no id and no task:
            {"id": "numbers", "prompt": "List numbers."},
            {"prompt": "Why?", "task": "regex", "answer_pattern": "x"}]
 BUDGET = 100_000  # bytes: a few threads of 200 tokens
-
-
-def cli(capsys, *args: str) -> tuple[int, str, str]:
-    from orchestrator.cli import main
-
-    try:
-        code = main(list(args))
-    except SystemExit as exit:
-        code = exit.code
-    captured = capsys.readouterr()
-    return code, captured.out, captured.err
 
 
 @pytest.fixture(scope="module")
