@@ -220,12 +220,21 @@ def bench_rest_overhead(url: str, prompt: str, samples: int, max_new_tokens: int
 
 
 def compare_to_fixed(fixed: list[dict], controller: dict) -> dict:
-    """The controller against the best fixed configuration (most accurate; the fewer tokens on a tie)."""
+    """The controller against the best fixed configuration (most accurate; the fewer tokens on a tie) and, where
+    the runs report engine-seconds, against the fixed configuration that solves the most per engine-second."""
     best = max(fixed, key=lambda run: (run["accuracy"], -run["tokens_generated"]))
-    return {
+    comparison = {
         "best_fixed": best["method"],
         "best_fixed_accuracy": best["accuracy"],
         "controller_accuracy": controller["accuracy"],
         "accuracy_gain": round(controller["accuracy"] - best["accuracy"], 4),
         "token_fraction": round(controller["tokens_generated"] / max(1, best["tokens_generated"]), 4),
     }
+    if controller.get("solved_per_engine_s") and all(run.get("solved_per_engine_s") for run in fixed):
+        thrifty = max(fixed, key=lambda run: run["solved_per_engine_s"])
+        comparison.update({
+            "engine_s_fraction": round(controller["engine_busy_s"] / best["engine_busy_s"], 4),
+            "best_fixed_per_engine_s": thrifty["method"],
+            "solved_per_engine_s_ratio": round(controller["solved_per_engine_s"] / thrifty["solved_per_engine_s"], 4),
+        })
+    return comparison

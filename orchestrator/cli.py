@@ -102,7 +102,10 @@ def build_parser() -> argparse.ArgumentParser:
     versus = bench.add_parser("controller", help="the controller against fixed (ratio, threads) configurations, same problems and pool")
     versus.add_argument("--problems", type=Path, required=True, help="JSONL file of {id, prompt, answer}")
     versus.add_argument("--limit", type=bounded(int, 1), default=None)
-    versus.add_argument("--kv-budget", type=byte_size, required=True, help="the memory each problem's threads may hold")
+    versus.add_argument("--kv-budget", type=byte_size, required=True,
+                        help="the KV pool: one problem's threads may hold all of it, tasks running at once share it")
+    versus.add_argument("--concurrency", type=bounded(int, 1, 256), default=1,
+                        help="tasks running at once on the one pool, for every configuration (default: 1 at a time)")
     versus.add_argument("--fixed", type=fixed_config, nargs="+", default=[(1.0, 4), (4.0, 8), (8.0, 16), (8.0, 32)],
                         help="fixed configurations CRxTHREADS (default: 1x4 4x8 8x16 8x32)")
     versus.add_argument("--profile", type=Path, default=None,

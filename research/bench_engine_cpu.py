@@ -52,7 +52,7 @@ def main() -> None:
                    help="the other checkout (e.g. a git worktree of the base commit)")
     p.add_argument("--new", type=Path, default=ROOT,
                    help="this change's checkout (default: this one; a worktree of a commit keeps the runs from edits)")
-    p.add_argument("--model", type=Path, default=ROOT / "checkpoints" / "chain-qwen3-dms")
+    p.add_argument("--model", type=Path, default=ROOT / "checkpoints" / "chain-qwen3")
     p.add_argument("--kv-budget", type=int, default=13_500_000, help="bytes (thinkpool bench throughput's 13.5MB)")
     p.add_argument("--max-new-tokens", type=int, default=1000)
     p.add_argument("--prompts", type=int, default=4)

@@ -18,7 +18,7 @@ done
 for i in $(seq "$RUNS"); do
   for side in base head; do
     dir=$BASE; [ $side = head ] && dir=$HEAD_DIR
-    run "$dir" bench throughput --kv-budget 13.5MB --model checkpoints/chain-qwen3-dms --cr 1 8 --json \
+    run "$dir" bench throughput --kv-budget 13.5MB --cr 1 8 --json \
       > "$OUT/throughput_${side}_$i.json"
   done
 done

@@ -1,23 +1,36 @@
 #!/usr/bin/env bash
-# The controller against fixed (ratio, threads) configurations: same fresh mixed problems, same KV budget.
-# 1. the calibration profile of the DMS model at every ratio; 2. the comparison (JSON + PNG).
-# CAL_PROBLEMS: fresh problems per difficulty bin (16: about 25 minutes); FIXED: the fixed configurations.
-# The figures in docs/results/ are the first shipped model's (docs/controller.md; its checkpoints rebuilt first:
-# bash research/rebuild_first_model.sh): DMS=checkpoints/chain-qwen3-v1-dms PROFILE=configs/calibration_chain_v1_dms.json
-# TAG=v1 THINKPOOL_SAMPLING_TEMPERATURE=0.8 (the default then: calibrate and the fixed configurations sample at the
-# default temperature).
+# The controller against fixed (ratio, threads) configurations on the shipped model: same fresh mixed problems, same
+# KV pool (docs/controller.md).
+# 1. the calibration profile at CR 1 and 8, 48 fresh problems per k bin, 8 sampled threads (about 25 minutes here);
+# 2. every problem alone with the pool; 3. CONCURRENCY tasks at once sharing it (accuracy per engine-second).
+# STEPS: all | calibrate | alone | together. The first shipped model's figures (docs/results/controller_vs_fixed_v1*,
+# its checkpoints rebuilt first: bash research/rebuild_first_model.sh) came from the steps of that time with
+# DMS=checkpoints/chain-qwen3-v1-dms PROFILE=configs/calibration_chain_v1_dms.json N=40 SEED=5001 FIXED="1x4 4x8 8x16"
+# THINKPOOL_SAMPLING_TEMPERATURE=0.8 and a profile at CR 1, 2, 4 and 8 (16 problems per bin, 16 threads).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-OUT=docs/results
-DMS=${DMS:-checkpoints/chain-qwen3-dms}
+OUT=${OUT:-docs/results/controller}
+DMS=${DMS:-checkpoints/chain-qwen3}
 PROFILE=${PROFILE:-$DMS/calibration-chain.json}
-TAG=${TAG:-v2}
 BUDGET=${BUDGET:-13.5MB}
-N=${N:-40}
+N=${N:-100}
+SEED=${SEED:-5101}
+FIXED=${FIXED:-1x4 1x8 8x8 8x16}
+CONCURRENCY=${CONCURRENCY:-8}
+STEPS=${STEPS:-all}
+TP=.venv/bin/thinkpool
 mkdir -p "$OUT" runs
-.venv/bin/thinkpool calibrate --model "$DMS" --cr 1 2 4 8 --per-bin "${CAL_PROBLEMS:-16}" --threads 16 \
-  --max-new-tokens 1200 --workers 0 --output "$PROFILE"
-.venv/bin/thinkpool generate --n "$N" --k 1-20 --seed 5001 --output runs/controller_k1-20.jsonl
-.venv/bin/thinkpool bench controller --problems runs/controller_k1-20.jsonl --model "$DMS" --kv-budget "$BUDGET" \
-  --profile "$PROFILE" --max-new-tokens 1200 --fixed ${FIXED:-1x4 4x8 8x16} --json --plot "$OUT/controller_vs_fixed_$TAG.png" \
-  > "$OUT/controller_vs_fixed_$TAG.json"
+if [ "$STEPS" = all ] || [ "$STEPS" = calibrate ]; then
+  $TP calibrate --model "$DMS" --cr 1 8 --per-bin 48 --threads 8 --workers 0 --output "$PROFILE"
+fi
+[ -f "runs/controller_k1-20_$SEED.jsonl" ] || $TP generate --n "$N" --k 1-20 --seed "$SEED" \
+  --output "runs/controller_k1-20_$SEED.jsonl"
+if [ "$STEPS" = all ] || [ "$STEPS" = alone ]; then
+  $TP bench controller --problems "runs/controller_k1-20_$SEED.jsonl" --model "$DMS" --kv-budget "$BUDGET" \
+    --profile "$PROFILE" --fixed $FIXED --json --plot "$OUT/alone.png" > "$OUT/alone.json"
+fi
+if [ "$STEPS" = all ] || [ "$STEPS" = together ]; then
+  $TP bench controller --problems "runs/controller_k1-20_$SEED.jsonl" --model "$DMS" --kv-budget "$BUDGET" \
+    --profile "$PROFILE" --fixed $FIXED --concurrency "$CONCURRENCY" --json --plot "$OUT/together.png" \
+    > "$OUT/together.json"
+fi

@@ -4,7 +4,7 @@
 # (docs/chain_model.md, docs/history.md). The first blocks measure the first shipped model, checkpoints/chain-qwen3-v1
 # ("shipped" in their file names; THINKPOOL_MODEL below makes it the default for every command and probe), which
 # is no longer in the repository: bash research/rebuild_first_model.sh rebuilds it. From the reversed-minus block on,
-# $RM is the model shipped now (checkpoints/chain-qwen3; "rm" in the file names).
+# $RM is the base of the model shipped now (checkpoints/chain-qwen3-base; "rm" in the file names).
 # Every thread is kept under runs/ (the paired gains and vote curves read them); docs/results/ gets the summaries.
 # The probes these figures used (header_probe, vote_forecast, error_anatomy, rewrite_probe, operator_read_whatif)
 # were removed once their findings were written down; probe() below restores each from the commit that last had
@@ -134,7 +134,7 @@ probe vote_forecast --problems runs/hard100_1007.jsonl --temperatures 1.0,0.8 > 
 # The reversed-minus model (configs/train_reversed_minus.yaml, 40 minutes; a candidate then, shipped now) against the
 # first shipped model on a fresh draw, forecast first (committed before either vote), then greedy on 200 and the vote on 100.
 R=docs/results/reversed_minus
-RM=checkpoints/chain-qwen3
+RM=checkpoints/chain-qwen3-base
 mkdir -p "$R"
 .venv/bin/thinkpool generate --n 200 --k 16-20 --seed 1008 --output runs/hard200_1008.jsonl
 head -100 runs/hard200_1008.jsonl > runs/hard100_1008.jsonl

@@ -68,7 +68,7 @@ def test_invalid_requests_get_422_naming_the_field(server):
     cases = [
         ({"prompt": "a=1;b=2;c=a+x;?c"}, "prompt", "unknown variable 'x'"),
         ({"prompt": "a=1;b=2;c=a+b;?c", "samples": 0}, "samples", "between 1 and 256"),
-        ({"prompt": "a=1;b=2;c=a+b;?c", "cr": 8}, "cr", "no DMS adapter for 8x"),
+        ({"prompt": "a=1;b=2;c=a+b;?c", "cr": 16}, "cr", "no DMS adapter for 16x"),
         ({"prompt": "a=1;b=2;c=a+b;?c", "kv_budget": 1000}, "kv_budget", "cannot hold one thread"),
         ({"prompt": "a=1;b=2;c=a+b;?c", "colour": "red"}, "colour", "Extra inputs"),
     ]
@@ -123,7 +123,7 @@ def test_sdk_clients_and_agent_tool(server):
     job = client.job(client.submit("a=3;b=4;c=a*b;d=c+a;?d", samples=1))
     assert job.request.samples == 1
     with pytest.raises(ClientError, match="422"):
-        Client(server, api_key="secret-key").solve("a=1;b=2;c=a+b;?c", cr=8)
+        Client(server, api_key="secret-key").solve("a=1;b=2;c=a+b;?c", cr=16)
     with pytest.raises(ClientError, match="401"):
         Client(server).solve("a=1;b=2;c=a+b;?c")
     local = LocalClient(kv_budget=8_000_000)

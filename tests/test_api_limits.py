@@ -91,7 +91,7 @@ def test_every_422_has_one_shape_naming_the_field_and_its_limit(server):
     cases = [({"prompt": EASY, "samples": 0}, "samples", "between 1 and 256"),  # pydantic
              ({"prompt": EASY, "samples": True}, "samples", "not a boolean"),  # a JSON type the schema does not allow
              ({"prompt": EASY, "max_tokens": 9000}, "max_tokens", "8192"),
-             ({"prompt": EASY, "cr": 8}, "cr", "no DMS adapter for 8x"),  # the service, after pydantic
+             ({"prompt": EASY, "cr": 16}, "cr", "no DMS adapter for 16x"),  # the service, after pydantic
              ({"prompt": EASY, "stop": ["a"] * 5}, "stop", "at most 4")]
     for body, field, limit in cases:
         response = httpx.post(f"{server}/v1/solve", json=body, headers=ALICE)

@@ -75,6 +75,16 @@ def test_solve_and_info():
     assert info["architecture"] == "Qwen3ForCausalLM" and info["kv_bytes_per_token"] == 3072
 
 
+def test_the_default_model_serves_every_ratio():
+    """One shipped directory: its 2x, 4x and 8x gates run with no --model, each thread evicting toward its ratio."""
+    info = json.loads(thinkpool("info", "--json").stdout)
+    assert info["ratios"] == [1.0, 2.0, 4.0, 8.0] and info["task"] == "chain"
+    done = thinkpool("solve", "a=7;b=42;c=a+b;d=c*a;e=d-b;f=e*c;g=f+d;?g", "--cr", "8", "--samples", "2", "--json")
+    assert done.returncode == 0, done.stderr
+    report = json.loads(done.stdout)
+    assert report["samples"] == 2 and report["cr"] == 8 and report["realized_cr"] > 2
+
+
 @pytest.mark.parametrize(
     "args, message",
     [
@@ -87,9 +97,9 @@ def test_solve_and_info():
         (("generate", "--n", "3", "--k", "0-30", "--output", "x.jsonl"), "argument --k"),
         (("info", "--model", "/nonexistent"), "argument --model: no model at /nonexistent"),
         (("retrofit", "--thresholds-only", "--output", "{tmp}"), "argument --thresholds-only: no trained adapter at"),
-        (("kv-growth", "--model", "checkpoints/chain-qwen3-dms", "--cr", "16"), "argument --cr: no DMS gates for 16x"),
-        (("kv-growth", "--model", "checkpoints/chain-qwen3-dms", "--quantile", "2"), "argument --quantile"),
-        (("kv-growth", "--model", "checkpoints/chain-qwen3-dms", "--cr", "8", "--k", "1-2", "--n", "1", "--threads", "1"),
+        (("kv-growth", "--model", "checkpoints/chain-qwen3", "--cr", "16"), "argument --cr: no DMS gates for 16x"),
+        (("kv-growth", "--model", "checkpoints/chain-qwen3", "--quantile", "2"), "argument --quantile"),
+        (("kv-growth", "--model", "checkpoints/chain-qwen3", "--cr", "8", "--k", "1-2", "--n", "1", "--threads", "1"),
          "argument --max-new-tokens: no thread at 8x on chain problems of k 1-2 generated 256 tokens past its"),
     ],
 )
@@ -137,6 +147,29 @@ def test_bench_controller_compares_against_fixed_configurations(easy_file, tmp_p
     best = next(r for r in report["runs"] if r["method"] == comparison["best_fixed"])
     assert comparison["token_fraction"] == round(controller["tokens_generated"] / best["tokens_generated"], 4)
     assert plot.stat().st_size > 0
+
+
+def test_bench_controller_runs_many_tasks_at_once_on_one_pool(easy_file):
+    """With --concurrency the tasks share one pool; a fixed configuration's threads are seeded per problem and
+    thread, so running them side by side changes what they cost the engine at once, not what they answer."""
+    def bench(concurrency: str) -> dict:
+        done = thinkpool("bench", "controller", "--problems", str(easy_file), "--limit", "4", "--kv-budget", "8MB",
+                         "--fixed", "1x2", "--max-threads", "4", "--max-new-tokens", "300", "--concurrency",
+                         concurrency, "--json")
+        assert done.returncode == 0, done.stderr
+        return json.loads(done.stdout)
+
+    alone, together = bench("1"), bench("4")
+    assert together["concurrency"] == 4 and [r["method"] for r in together["runs"]] == ["1x2", "greedy", "controller"]
+    for one, many in zip(alone["runs"][:2], together["runs"][:2]):
+        assert (many["accuracy"], many["tokens_generated"]) == (one["accuracy"], one["tokens_generated"])
+    for run in together["runs"]:
+        assert run["engine_busy_s"] > 0 and run["kv_peak_bytes"] <= 8_000_000
+        assert run["solved_per_engine_s"] == pytest.approx(run["accuracy"] * run["n"] / run["engine_busy_s"], rel=1e-3)
+    comparison = together["comparison"]
+    assert comparison["best_fixed_per_engine_s"] == "1x2"
+    assert comparison["solved_per_engine_s_ratio"] == round(
+        together["runs"][2]["solved_per_engine_s"] / together["runs"][0]["solved_per_engine_s"], 4)
 
 
 def test_bench_controller_rejects_a_ratio_without_an_adapter(easy_file):

@@ -5,7 +5,7 @@ import shutil
 
 from dms_runtime.adapters import adapter_path
 from dms_runtime.kv_growth import KVGrowth, read_kv_growth
-from dms_runtime.loading import REPO_ROOT
+from dms_runtime.loading import REPO_ROOT, SHIPPED_MODEL
 from tasks.chain import generate_suite
 from tasks.prompt import format_prompt
 from tests.test_cli import thinkpool
@@ -13,15 +13,14 @@ from workers.kv_budget import KVBudgetModel
 from workers.thread import SamplingParams
 from workers.worker import WorkerConfig, available_ratios, build_engine
 
-SHIPPED_DMS = REPO_ROOT / "checkpoints" / "chain-qwen3-dms"
 EQUAL_MEMORY = 13_500_000  # the equal-memory budget: about four vanilla threads of 1000 tokens
 
 
 def test_every_shipped_adapter_carries_its_measured_growth():
-    ratios = available_ratios(SHIPPED_DMS)
+    ratios = available_ratios(SHIPPED_MODEL)
     assert ratios
     for cr in ratios:
-        growth = read_kv_growth(adapter_path(SHIPPED_DMS, cr))
+        growth = read_kv_growth(adapter_path(SHIPPED_MODEL, cr))
         assert growth is not None, f"{cr:g}x was never measured (thinkpool kv-growth)"
         assert 0 < growth.generated < 1 and 0 < growth.prompt <= 1
         lengths = [p for p, _ in growth.generated_curve]
@@ -30,7 +29,7 @@ def test_every_shipped_adapter_carries_its_measured_growth():
 
 def test_kv_growth_measures_stores_and_lets_the_pool_hold_more_threads(tmp_path):
     model = tmp_path / "model"
-    shutil.copytree(SHIPPED_DMS, model)
+    shutil.copytree(SHIPPED_MODEL, model)
     done = thinkpool("kv-growth", "--model", str(model), "--cr", "8", "--n", "2", "--threads", "4", "--k", "14-15",
                      "--seed", "5")
     assert done.returncode == 0, done.stderr

@@ -8,23 +8,22 @@ import torch
 from safetensors.torch import load_file
 
 from dms_runtime.adapters import adapter_path, load_gates, read_adapter_metadata, set_threshold
-from dms_runtime.loading import REPO_ROOT, load_model
+from dms_runtime.loading import REPO_ROOT, SHIPPED_MODEL, load_model
 from training.retrofit import RetrofitConfig
 from training.thresholds import fit_threshold, measure
 from tasks.chain import generate_suite
 
-SHIPPED_DMS = REPO_ROOT / "checkpoints" / "chain-qwen3-dms"
 
 
 @pytest.fixture(scope="module")
 def dms_model():
-    return load_model(SHIPPED_DMS)
+    return load_model(SHIPPED_MODEL)
 
 
 @pytest.fixture()
 def adapter_8x(tmp_path):
     path = tmp_path / "dms-8x.safetensors"
-    shutil.copy(adapter_path(SHIPPED_DMS, 8), path)
+    shutil.copy(adapter_path(SHIPPED_MODEL, 8), path)
     set_threshold(path, 0.0)
     return path
 
@@ -59,20 +58,20 @@ def test_the_fit_moves_towards_the_target(adapter_8x, dms_model):
 
 
 def test_the_shipped_retrofit_is_what_its_config_trains_and_a_higher_ratio_holds_less(dms_model):
-    """checkpoints/chain-qwen3-dms comes from configs/retrofit_chain.yaml (its ratios, steps and difficulty range),
-    every adapter loads onto its weights at its fitted threshold, and on the same problems each higher ratio
-    holds less KV while the greedy threads still solve them."""
+    """The shipped model (checkpoints/chain-qwen3) comes from configs/retrofit_chain.yaml (its ratios, steps and
+    difficulty range), every adapter loads onto its weights at its fitted threshold, and on the same problems each
+    higher ratio holds less KV while the greedy threads still solve them."""
     config = RetrofitConfig.from_yaml(REPO_ROOT / "configs" / "retrofit_chain.yaml")
-    assert (REPO_ROOT / config.output).resolve() == SHIPPED_DMS.resolve() and config.full_finetune
+    assert (REPO_ROOT / config.output).resolve() == SHIPPED_MODEL.resolve() and config.full_finetune
     problems = generate_suite(3, 4, 6, seed=13)
     realized = {}
     for cr in config.ratios:
-        metadata = read_adapter_metadata(adapter_path(SHIPPED_DMS, cr))
+        metadata = read_adapter_metadata(adapter_path(SHIPPED_MODEL, cr))
         assert metadata["target_cr"] == cr and metadata["train_steps"] == config.total_steps
         assert metadata["threshold_fit"]["k"] == [config.k_min, config.k_max]
         assert sorted(metadata["ratios_trained_together"]) == sorted(config.ratios)
-        realized[cr], accuracy = measure(*dms_model, adapter_path(SHIPPED_DMS, cr), metadata["dms_config"]["threshold"],
-                                         problems)
+        threshold = metadata["dms_config"]["threshold"]
+        realized[cr], accuracy = measure(*dms_model, adapter_path(SHIPPED_MODEL, cr), threshold, problems)
         assert accuracy >= 2 / 3, f"{cr}x"
     ratios = sorted(realized)
     assert realized[ratios[0]] > 1 and all(realized[a] < realized[b] for a, b in zip(ratios, ratios[1:]))

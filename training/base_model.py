@@ -60,7 +60,7 @@ class OptimConfig(BaseModel):
 
 class TrainConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    output_dir: str = "checkpoints/chain-qwen3"
+    output_dir: str = "checkpoints/chain-qwen3-base"
     seed: int = 0
     model: ModelShape = ModelShape()
     data: DataConfig = DataConfig()

@@ -68,7 +68,7 @@ from training.yaml_config import load_yaml_config
 
 class RetrofitConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    model: str = "checkpoints/chain-qwen3"
+    model: str = "checkpoints/chain-qwen3-base"
     output: str | None = None  # where adapters go; default: beside the base model
     # The training text: a problem file (JSONL of {id, prompt}) whose prompts the frozen model completes, by task
     # family (default: the model's); none: generated chain problems (k_min..k_max, any_order).

@@ -76,12 +76,13 @@ def cmd_bench_overhead(args, parser) -> int:
 
 
 def cmd_bench_controller(args, parser) -> int:
-    """Every fixed configuration and a greedy reference, then the controller, on the same problems, each problem
-    with the whole pool."""
+    """Every fixed configuration and a greedy reference, then the controller, on the same problems and pool, each
+    as solve requests through the service: one at a time (each with the whole pool) or ``--concurrency`` at once
+    (sharing it), reported with the engine-seconds each took."""
     from dms_runtime.loading import default_model_path
     from evaluation.benchmarks import compare_to_fixed
-    from orchestrator.commands.evaluate import make_service, run_controller
-    from evaluation.scoring import EvalOptions, evaluate_on_pool
+    from orchestrator.commands.evaluate import make_service
+    from orchestrator.controller_eval import controller_request, evaluate_through_service, fixed_request
     from evaluation.plots import plot_accuracy_vs_tokens
 
     problems = read_problems_or_exit(args, parser)
@@ -89,21 +90,33 @@ def cmd_bench_controller(args, parser) -> int:
     check_adapters([cr for cr, _ in args.fixed], model_dir, parser, "--fixed")
     pool = make_pool(model_dir, args.kv_budget, args.workers)
     service = make_service(args, parser, problems, model_dir, pool)
-    runs = []
+
+    def fixed(cr: float, threads: int) -> tuple:
+        config = {"cr": cr, "threads": threads, "decoding": "greedy" if threads == 1 else "sampled+majority",
+                  "temperature": None if threads == 1 else args.temperature, "seed": args.seed}
+        return lambda p: fixed_request(p, cr, threads, args.temperature, args.max_new_tokens, args.seed), config
+
     # The fixed configurations vote sampled threads; one greedy thread per problem runs beside them as a
     # reference (the controller opens with one), compared separately.
-    for method, cr, threads in [(f"{cr:g}x{n}", cr, n) for cr, n in args.fixed] + [("greedy", 1.0, 1)]:
-        options = EvalOptions(samples=threads, seed=args.seed, temperature=args.temperature, max_new_tokens=args.max_new_tokens)
-        report = asyncio.run(evaluate_on_pool(problems, pool, service.tokenizer, options, cr, method, sequential=True))
-        report.pop("problems")
-        runs.append({**report, "cr": cr, "threads": threads})
-    report = asyncio.run(run_controller(problems, service, args.kv_budget, args.max_threads, args.seed))
-    report.pop("problems")
-    runs.append(report)
-    pool.shutdown()
-    fixed, greedy, controller_run = runs[:-2], runs[-2], runs[-1]
-    result = {"problems": str(args.problems), "n": len(problems), "kv_budget_bytes": args.kv_budget, "runs": runs,
-              "comparison": compare_to_fixed(fixed, controller_run),
+    configurations = [(f"{cr:g}x{n}", *fixed(cr, n)) for cr, n in args.fixed] + [("greedy", *fixed(1.0, 1))]
+    # temperature: the one fixed for every task, or null when each task's plan chose (see temperatures_chosen).
+    planned = {"max_threads": args.max_threads, "seed": args.seed,
+               "temperature": service.controller.temperature if service.controller else None}
+    configurations.append(("controller", lambda p: controller_request(p, args.kv_budget, args.max_threads, args.seed),
+                           planned))
+    runs = []
+    try:
+        for method, request_for, config in configurations:
+            report = asyncio.run(evaluate_through_service(problems, service, request_for, method, args.concurrency, pool,
+                                                          progress=lambda line: print(line, file=sys.stderr)))
+            report.pop("problems")
+            runs.append({**report, "kv_budget_bytes": args.kv_budget, "config": config})
+    finally:
+        pool.shutdown()
+    fixed_runs, greedy, controller_run = runs[:-2], runs[-2], runs[-1]
+    result = {"problems": str(args.problems), "n": len(problems), "kv_budget_bytes": args.kv_budget,
+              "concurrency": args.concurrency, "runs": runs,
+              "comparison": compare_to_fixed(fixed_runs, controller_run),
               "versus_greedy": {"accuracy_gain": round(controller_run["accuracy"] - greedy["accuracy"], 4),
                                 "token_ratio": round(controller_run["tokens_generated"] / max(1, greedy["tokens_generated"]), 4)}}
     if args.plot:
@@ -112,6 +125,7 @@ def cmd_bench_controller(args, parser) -> int:
         print(json.dumps(result))
     else:
         for run in runs:
-            print(f"{run['method']:>10}  accuracy={run['accuracy']:.3f}  tokens={run['tokens_generated']}")
+            print(f"{run['method']:>10}  accuracy={run['accuracy']:.3f}  tokens={run['tokens_generated']}  "
+                  f"engine_s={run['engine_busy_s']}")
         print(json.dumps(result["comparison"]))
     return 0
