@@ -151,9 +151,10 @@ def test_bench_controller_compares_against_fixed_configurations(easy_file, tmp_p
 
 def test_bench_controller_runs_many_tasks_at_once_on_one_pool(easy_file):
     """With --concurrency the tasks share one pool; a fixed configuration's threads are seeded per problem and
-    thread, so running them side by side changes what they cost the engine at once, not what they answer."""
+    thread, so running them side by side changes what they cost the engine at once, not what they answer.
+    A budget that is not a whole number of KV slots is the pool's, rounded down, for every request."""
     def bench(concurrency: str) -> dict:
-        done = thinkpool("bench", "controller", "--problems", str(easy_file), "--limit", "4", "--kv-budget", "8MB",
+        done = thinkpool("bench", "controller", "--problems", str(easy_file), "--limit", "4", "--kv-budget", "7.9MB",
                          "--fixed", "1x2", "--max-threads", "4", "--max-new-tokens", "300", "--concurrency",
                          concurrency, "--json")
         assert done.returncode == 0, done.stderr
@@ -164,7 +165,7 @@ def test_bench_controller_runs_many_tasks_at_once_on_one_pool(easy_file):
     for one, many in zip(alone["runs"][:2], together["runs"][:2]):
         assert (many["accuracy"], many["tokens_generated"]) == (one["accuracy"], one["tokens_generated"])
     for run in together["runs"]:
-        assert run["engine_busy_s"] > 0 and run["kv_peak_bytes"] <= 8_000_000
+        assert run["engine_busy_s"] > 0 and run["kv_peak_bytes"] <= 7_900_000
         assert run["solved_per_engine_s"] == pytest.approx(run["accuracy"] * run["n"] / run["engine_busy_s"], rel=1e-3)
     comparison = together["comparison"]
     assert comparison["best_fixed_per_engine_s"] == "1x2"

@@ -90,6 +90,7 @@ def cmd_bench_controller(args, parser) -> int:
     check_adapters([cr for cr, _ in args.fixed], model_dir, parser, "--fixed")
     pool = make_pool(model_dir, args.kv_budget, args.workers)
     service = make_service(args, parser, problems, model_dir, pool)
+    kv_budget = service.info["kv_budget_bytes"]  # --kv-budget rounded down to whole KV slots: what a request may ask
 
     def fixed(cr: float, threads: int) -> tuple:
         config = {"cr": cr, "threads": threads, "decoding": "greedy" if threads == 1 else "sampled+majority",
@@ -102,7 +103,7 @@ def cmd_bench_controller(args, parser) -> int:
     # temperature: the one fixed for every task, or null when each task's plan chose (see temperatures_chosen).
     planned = {"max_threads": args.max_threads, "seed": args.seed,
                "temperature": service.controller.temperature if service.controller else None}
-    configurations.append(("controller", lambda p: controller_request(p, args.kv_budget, args.max_threads, args.seed),
+    configurations.append(("controller", lambda p: controller_request(p, kv_budget, args.max_threads, args.seed),
                            planned))
     runs = []
     try:
@@ -110,11 +111,11 @@ def cmd_bench_controller(args, parser) -> int:
             report = asyncio.run(evaluate_through_service(problems, service, request_for, method, args.concurrency, pool,
                                                           progress=lambda line: print(line, file=sys.stderr)))
             report.pop("problems")
-            runs.append({**report, "kv_budget_bytes": args.kv_budget, "config": config})
+            runs.append({**report, "kv_budget_bytes": kv_budget, "config": config})
     finally:
         pool.shutdown()
     fixed_runs, greedy, controller_run = runs[:-2], runs[-2], runs[-1]
-    result = {"problems": str(args.problems), "n": len(problems), "kv_budget_bytes": args.kv_budget,
+    result = {"problems": str(args.problems), "n": len(problems), "kv_budget_bytes": kv_budget,
               "concurrency": args.concurrency, "runs": runs,
               "comparison": compare_to_fixed(fixed_runs, controller_run),
               "versus_greedy": {"accuracy_gain": round(controller_run["accuracy"] - greedy["accuracy"], 4),

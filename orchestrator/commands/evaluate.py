@@ -100,8 +100,8 @@ def cmd_eval(args, parser) -> int:
 
 def make_service(args, parser, problems: list[dict], model_dir, pool):
     """The solve service whose controller ``eval --controller`` and ``bench controller`` score, checked before any
-    work: the profile exists and ``--kv-budget`` holds a thread of the longest problem (callers make sure
-    ``--kv-budget`` is given)."""
+    work: the profile exists and the pool (``--kv-budget`` rounded down to whole KV slots, what each request asks
+    for) holds a thread of the longest problem."""
     from transformers import AutoTokenizer
 
     from orchestrator.schemas import SolveRequest
@@ -116,7 +116,7 @@ def make_service(args, parser, problems: list[dict], model_dir, pool):
         longest = max(problems, key=lambda p: len(p["prompt"]))
         service.check(SolveRequest(prompt=longest["prompt"], task=longest.get("task"),
                                    answer_pattern=longest.get("answer_pattern"), samples="auto", mode="controller",
-                                   kv_budget=args.kv_budget, max_threads=args.max_threads))
+                                   kv_budget=service.info["kv_budget_bytes"], max_threads=args.max_threads))
     except ValueError as error:
         pool.shutdown()
         field, _, message = str(error).partition(": ")
@@ -144,7 +144,8 @@ def eval_controller(args, parser, problems: list[dict], model_dir, options) -> i
         parser.error("argument --controller: needs --kv-budget (the memory each problem's threads may hold)")
     pool = make_pool(model_dir, args.kv_budget, args.workers)
     service = make_service(args, parser, problems, model_dir, pool)
-    report = asyncio.run(run_controller(problems, service, args.kv_budget, args.max_threads, options.seed))
+    report = asyncio.run(run_controller(problems, service, service.info["kv_budget_bytes"], args.max_threads,
+                                        options.seed))
     pool.shutdown()
     records = report.pop("problems")
     profiles = sorted({str(c.profile.path) for c in service.controllers.values() if c.profile.path is not None})
