@@ -22,8 +22,9 @@ from tasks.chain_tokenizer import build_tokenizer, writes_reversed_minus_lines
 from tasks.families import get_family
 from tests.byo_models import ANSWERS, GENERATION, write_model_dir
 from training.chain_data import IGNORE, difficulty_batch, sample_lengths
-from training.completions import CACHE_NAME, read_cache
-from training.retrofit import RetrofitConfig, RowGates, chain_batch
+from training.completions import CACHE_NAME, calibration_sequences, read_cache
+from training.retrofit import DEFAULT_THRESHOLD_TEXTS, RetrofitConfig, RowGates, chain_batch
+from training.thresholds import measure_teacher_forced
 from training.retrofit_data import ChainText, ProblemText, training_text
 
 PROMPTS = [*ANSWERS, "What is 3 + 5?"]
@@ -98,6 +99,37 @@ def test_a_retrofit_from_a_problem_file_distils_on_the_models_own_cached_complet
     assert [(row.id, row.sample) for row in read_cache(cache)][3:] == [("p0", 1), ("p1", 1), ("p2", 1)]
 
 
+def test_the_threshold_fit_defaults_to_the_teacher_forced_fit_wherever_there_is_a_threshold():
+    assert RetrofitConfig(problems="x.jsonl").threshold_problems == DEFAULT_THRESHOLD_TEXTS
+    assert RetrofitConfig(problems="x.jsonl", parametrization="nvidia_separate").threshold_problems == 0
+    assert RetrofitConfig().threshold_problems == 0  # generated chain problems: a recipe names its greedy fit
+    assert RetrofitConfig(problems="x.jsonl", threshold_problems=8).threshold_problems == 8
+
+
+def test_a_problem_file_retrofit_fits_each_threshold_on_its_own_completions(tmp_path, model_dir, problems, capsys):
+    """Nothing chain-specific and nothing generated: each ratio's threshold is fitted teacher-forced on the cached
+    completions, recorded with the adapter, and realizes there what the record says; --thresholds-only refits
+    from the cache alone."""
+    out = tmp_path / "out"
+    config = recipe(tmp_path, threshold_problems=2)
+    assert retrofit_cli("--config", config, "--model", model_dir, "--problems", problems, "--output", out) == 0
+    model = load_model(model_dir)[0]
+    sequences = calibration_sequences(read_cache(out / CACHE_NAME), 2)
+    assert len(sequences) == 2
+    for ratio in (2, 4):
+        path = out / f"dms-{ratio}x.safetensors"
+        metadata = read_adapter_metadata(path)
+        fit = metadata["threshold_fit"]
+        assert fit["source"] == "teacher_forced" and fit["problems"] == 2 and fit["accuracy"] is None
+        assert fit["tokens"] == sum(map(len, sequences)) and fit["target_cr"] == ratio
+        assert fit["threshold"] == metadata["dms_config"]["threshold"]
+        assert measure_teacher_forced(model, path, fit["threshold"], sequences) == pytest.approx(fit["realized_cr"])
+    capsys.readouterr()
+    assert retrofit_cli("--config", config, "--model", model_dir, "--problems", problems, "--output", out,
+                        "--thresholds-only") == 0
+    assert '"source": "teacher_forced"' in capsys.readouterr().out
+
+
 def test_problem_batches_score_the_completion_tokens_only(tmp_path, model_dir, problems):
     from training.completions import sample_completions
 
@@ -133,8 +165,8 @@ def test_bad_problem_files_and_options_are_named(tmp_path, model_dir, problems, 
                                                                      tmp_path / "missing.jsonl")
     err = refused(capsys, "--config", recipe(tmp_path), "--model", model_dir, "--task", "math")
     assert "argument --task: names the family of a problem file's rows" in err
-    with pytest.raises(ValidationError, match="threshold_problems"):
-        RetrofitConfig(problems="x.jsonl", threshold_problems=8)
+    with pytest.raises(ValidationError, match="threshold_problems"):  # NVIDIA's gates have no threshold to fit
+        RetrofitConfig(problems="x.jsonl", threshold_problems=8, parametrization="nvidia_separate", layout="nvidia")
     with pytest.raises(ValidationError, match="task"):
         RetrofitConfig(problems="x.jsonl", task="poetry")
 

@@ -10,8 +10,11 @@ from safetensors.torch import load_file
 from dms_runtime.adapters import adapter_path, load_gates, read_adapter_metadata, set_threshold
 from dms_runtime.loading import REPO_ROOT, SHIPPED_MODEL, load_model
 from training.retrofit import RetrofitConfig
-from training.thresholds import fit_threshold, measure
+from training.thresholds import fit_threshold, greedy_solves, measure, measure_teacher_forced, teacher_forced
 from tasks.chain import generate_suite
+from tasks.families import get_family
+from workers.thread import SamplingParams
+from workers.worker import WorkerConfig, build_engine
 
 
 
@@ -50,10 +53,48 @@ def test_a_higher_threshold_evicts_less(adapter_8x, dms_model):
 def test_the_fit_moves_towards_the_target(adapter_8x, dms_model):
     problems = generate_suite(2, 6, 8, seed=12)
     start, _ = measure(*dms_model, adapter_8x, 0.0, problems)
-    fit = fit_threshold(*dms_model, adapter_8x, problems, seed=12, max_trials=3, progress=False)
+    fit = fit_threshold(adapter_8x, greedy_solves(*dms_model, problems), len(problems), seed=12, max_trials=3,
+                        progress=False)
     assert fit.trials <= 3 and fit.target_cr == 8
     assert abs(fit.realized_cr / 8 - 1) <= abs(start / 8 - 1)
     if abs(start / 8 - 1) > 0.03:  # it had to move: up when the gates overshoot, down when they fall short
+        assert (fit.threshold > 0) == (start > 8)
+
+
+@pytest.fixture(scope="module")
+def engine_threads_8x() -> list[tuple[list[int], object]]:
+    """The engine's greedy 8x threads on three chain problems: (the sequence each fed its model, its result)."""
+    engine = build_engine(WorkerConfig(model=str(SHIPPED_MODEL)))
+    chain = get_family("chain")
+    prompts = {f"p{i}": chain.encode(p["prompt"], engine.tokenizer) for i, p in enumerate(generate_suite(3, 6, 12, seed=21))}
+    for problem_id, ids in prompts.items():
+        engine.submit(problem_id, ids, [0], SamplingParams(temperature=0.0, max_new_tokens=400, logprobs=True), 8.0)
+    threads = engine.run()
+    engine.close()
+    return [(prompts[t.problem_id] + list(t.token_ids), t) for t in threads]
+
+
+def test_one_teacher_forced_pass_holds_what_decoding_held(dms_model, engine_threads_8x):
+    """The task-agnostic fit reads finished threads in one pass: on the engine's own 8x threads, that pass realizes
+    exactly the ratio each thread reported, so a fit on text predicts what serving realizes."""
+    path = adapter_path(SHIPPED_MODEL, 8)
+    threshold = read_adapter_metadata(path)["dms_config"]["threshold"]
+    for sequence, thread in engine_threads_8x:
+        assert thread.realized_cr > 2  # the gates evicted: the comparison is not 1 against 1
+        assert measure_teacher_forced(dms_model[0], path, threshold, [sequence]) == pytest.approx(thread.realized_cr,
+                                                                                                   rel=1e-4)
+
+
+def test_the_teacher_forced_fit_moves_towards_the_target(adapter_8x, dms_model, engine_threads_8x):
+    model = dms_model[0]
+    sequences = [sequence for sequence, _ in engine_threads_8x]
+    start = measure_teacher_forced(model, adapter_8x, 0.0, sequences)
+    fit = fit_threshold(adapter_8x, teacher_forced(model, sequences), len(sequences), seed=0, max_trials=4,
+                        progress=False, source="teacher_forced")
+    assert fit.accuracy is None and fit.source == "teacher_forced" and fit.trials <= 4
+    assert abs(fit.realized_cr / 8 - 1) <= abs(start / 8 - 1)
+    assert fit.realized_cr == pytest.approx(measure_teacher_forced(model, adapter_8x, fit.threshold, sequences))
+    if abs(start / 8 - 1) > 0.03:
         assert (fit.threshold > 0) == (start > 8)
 
 

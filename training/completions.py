@@ -46,6 +46,16 @@ class Completion:
     def key(self) -> tuple[str, int]:
         return self.id, self.sample
 
+    @property
+    def decoded_ids(self) -> list[int]:
+        """Prompt and completion as a thread fed them through the model: without the EOS that ended it."""
+        return self.prompt_ids + (self.completion_ids[:-1] if self.finish_reason == "eos" else self.completion_ids)
+
+
+def calibration_sequences(completions: list[Completion], n: int) -> list[list[int]]:
+    """``n`` completions spread evenly over the problem file (not its head, which may be its easiest), as decoded."""
+    return [c.decoded_ids for c in completions[:: max(1, len(completions) // n)][:n]]
+
 
 def model_sampling(model_dir: str | Path, max_new_tokens: int) -> SamplingParams:
     """The model's own sampling: ``generation_config.json``'s temperature, top_p, top_k and min_p; what it does not

@@ -66,6 +66,9 @@ from training.precision import autocast
 from training.yaml_config import load_yaml_config
 
 
+DEFAULT_THRESHOLD_TEXTS = 64  # completions the task-agnostic threshold fit reads when a config names no number
+
+
 class RetrofitConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
     model: str = "checkpoints/chain-qwen3-base"
@@ -123,9 +126,11 @@ class RetrofitConfig(BaseModel):
     # hidden states they read; with full fine-tuning its gradient also reaches the weights, which learn to
     # make the labels readable at write time. Decisions are then deterministic (no gate noise).
     gate_supervision: float = Field(0.0, ge=0)
-    # After training, fit each adapter's decision threshold so that it realizes its ratio on this many greedy
-    # solves of fresh problems (seeded by threshold_seed; see training.thresholds); 0 keeps threshold 0.
-    threshold_problems: int = Field(0, ge=0)
+    # After training, fit each adapter's decision threshold so that it realizes its ratio (training.thresholds): on
+    # this many greedy solves of fresh chain problems (seeded by threshold_seed) or, with a problem file, teacher-forced
+    # on this many of its cached completions (any task, nothing generated); 0 keeps the trained threshold. Unset: the
+    # teacher-forced fit on 64 completions where there is a problem file and a threshold to fit, else 0.
+    threshold_problems: int | None = Field(None, ge=0)
     threshold_seed: int = 9001
     # Then measure what each adapter keeps of a thread on this many fresh problems (8 sampled threads each), the
     # reservation workers admit threads by (``thinkpool kv-growth``; adapters beside their model only); 0 skips.
@@ -138,6 +143,13 @@ class RetrofitConfig(BaseModel):
     checkpoint_every: int = Field(25, gt=0)
 
     @model_validator(mode="after")
+    def _default_threshold_fit(self) -> RetrofitConfig:
+        if self.threshold_problems is None:
+            fits = self.problems is not None and self.parametrization != "nvidia_separate"
+            self.threshold_problems = DEFAULT_THRESHOLD_TEXTS if fits else 0
+        return self
+
+    @model_validator(mode="after")
     def _text_fits_the_recipe(self) -> RetrofitConfig:
         if self.problems is None:
             if self.task is not None:
@@ -146,9 +158,6 @@ class RetrofitConfig(BaseModel):
         if self.warmstart_labels == "cot_roles":
             raise ValueError("warmstart_labels: cot_roles labels the roles of the chain task's reference chain of "
                              "thought; a problem file's completions have none: use per_head or per_token")
-        if self.threshold_problems:
-            raise ValueError("threshold_problems: thresholds are fitted on generated chain problems; with a problem "
-                             "file it must be 0")
         return self
 
     @model_validator(mode="after")

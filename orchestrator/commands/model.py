@@ -169,9 +169,8 @@ def cmd_retrofit(args, parser) -> int:
             read_problem_file(config.problems, config.task or default_family(config.model))
         except ProblemFileError as error:
             parser.error(f"argument --problems: {error}")
-    if args.thresholds_only and (config.problems is not None or config.parametrization == "nvidia_separate"):
-        parser.error("argument --thresholds-only: thresholds are fitted on generated chain problems with thinkpool's "
-                     "adapter gates; not with a problem file or parametrization nvidia_separate")
+    if args.thresholds_only and config.parametrization == "nvidia_separate":
+        parser.error("argument --thresholds-only: NVIDIA's separate gates have no decision threshold to fit")
     if args.thresholds_only:
         from training.thresholds import DEFAULT_PROBLEMS
 
@@ -204,17 +203,30 @@ def config_error(error, given: dict) -> str:
 def fit_adapter_thresholds(config, parser, problems: int) -> int:
     """Set each trained adapter's threshold so that it realizes its ratio (see training.thresholds)."""
     from dms_runtime.adapters import adapter_path
-    from training.thresholds import describe, fit_thresholds
+    from tasks.families import default_family
+    from training.completions import calibration_sequences, read_problem_file, sample_completions
+    from training.thresholds import describe, fit_thresholds, fit_thresholds_on_text
 
     model_dir = config.output_dir if config.full_finetune else Path(config.model)
     missing = [str(adapter_path(config.output_dir, r)) for r in config.ratios if not adapter_path(config.output_dir, r).is_file()]
     if missing:
         parser.error(f"argument --thresholds-only: no trained adapter at {', '.join(missing)}")
-    print(describe(fit_thresholds(model_dir, config.output_dir, config.ratios, config.k_min, config.k_max, problems, config.threshold_seed)))
+    if config.problems is None:
+        fits = fit_thresholds(model_dir, config.output_dir, config.ratios, config.k_min, config.k_max, problems,
+                              config.threshold_seed)
+    else:  # the model's own completions of the user's prompts, as training read them (sampled now if not cached)
+        completions = sample_completions(config.model, config.problems, config.output_dir, config.task,
+                                         config.completions_per_problem, config.max_new_tokens, config.seed)
+        fits = fit_thresholds_on_text(model_dir, config.output_dir, config.ratios,
+                                      calibration_sequences(completions, problems), config.seed)
+    print(describe(fits))
     if config.kv_growth_problems and Path(model_dir).resolve() == Path(config.output_dir).resolve():
         from training import measure_kv_growth as kv_growth
 
-        fits = kv_growth.measure_kv_growth(model_dir, config.ratios, n=config.kv_growth_problems)
+        task = config.task or default_family(config.model)
+        prompts = None if config.problems is None else read_problem_file(config.problems, task)  # the user's, as trained
+        fits = kv_growth.measure_kv_growth(model_dir, config.ratios, n=config.kv_growth_problems, problems=prompts,
+                                           task=task)
         kv_growth.store(model_dir, fits)
         print(kv_growth.describe(fits))
     return 0
