@@ -23,8 +23,8 @@ from tasks.families import get_family
 from tests.byo_models import ANSWERS, GENERATION, write_model_dir
 from training.chain_data import IGNORE, difficulty_batch, sample_lengths
 from training.completions import CACHE_NAME, calibration_sequences, read_cache
-from training.retrofit import DEFAULT_THRESHOLD_TEXTS, RetrofitConfig, RowGates, chain_batch
-from training.thresholds import measure_teacher_forced
+from training.retrofit import RetrofitConfig, RowGates, chain_batch
+from training.thresholds import DEFAULT_PROBLEMS, measure_teacher_forced
 from training.retrofit_data import ChainText, ProblemText, training_text
 
 PROMPTS = [*ANSWERS, "What is 3 + 5?"]
@@ -100,7 +100,7 @@ def test_a_retrofit_from_a_problem_file_distils_on_the_models_own_cached_complet
 
 
 def test_the_threshold_fit_defaults_to_the_teacher_forced_fit_wherever_there_is_a_threshold():
-    assert RetrofitConfig(problems="x.jsonl").threshold_problems == DEFAULT_THRESHOLD_TEXTS
+    assert RetrofitConfig(problems="x.jsonl").threshold_problems == DEFAULT_PROBLEMS
     assert RetrofitConfig(problems="x.jsonl", parametrization="nvidia_separate").threshold_problems == 0
     assert RetrofitConfig().threshold_problems == 0  # generated chain problems: a recipe names its greedy fit
     assert RetrofitConfig(problems="x.jsonl", threshold_problems=8).threshold_problems == 8

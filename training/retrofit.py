@@ -63,10 +63,8 @@ from dms_runtime.nvidia_gates import export_block_size
 from dms_runtime.nvidia_layout import export_nvidia_layout
 from tasks.families import FAMILIES
 from training.precision import autocast
+from training.thresholds import DEFAULT_PROBLEMS
 from training.yaml_config import load_yaml_config
-
-
-DEFAULT_THRESHOLD_TEXTS = 64  # completions the task-agnostic threshold fit reads when a config names no number
 
 
 class RetrofitConfig(BaseModel):
@@ -146,7 +144,7 @@ class RetrofitConfig(BaseModel):
     def _default_threshold_fit(self) -> RetrofitConfig:
         if self.threshold_problems is None:
             fits = self.problems is not None and self.parametrization != "nvidia_separate"
-            self.threshold_problems = DEFAULT_THRESHOLD_TEXTS if fits else 0
+            self.threshold_problems = DEFAULT_PROBLEMS if fits else 0
         return self
 
     @model_validator(mode="after")

@@ -32,7 +32,7 @@ from tasks.chain import generate_suite
 from tasks.prompt import format_prompt
 from evaluation.reference_decode import KVPolicy, SamplingParams, generate_threads
 
-DEFAULT_PROBLEMS = 64  # calibration problems when a config does not name a number
+DEFAULT_PROBLEMS = 64  # calibration problems (or completions, teacher-forced) when a config names no number
 
 # (adapter file, threshold) -> (mean realized ratio, accuracy or None where the text has no answers to check)
 Measure = Callable[[Path, float], tuple[float, float | None]]
