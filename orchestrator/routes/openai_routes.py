@@ -28,8 +28,8 @@ from pydantic import ValidationError
 from orchestrator.api_errors import openai_error, responses
 from orchestrator.api_keys import Caller
 from orchestrator.api_runtime import ApiRuntime, DeadlineExceeded, QueueFull
-from orchestrator.openai_output import (ChoiceText, OutputFormat, chat_logprobs, finish_reason, legacy_logprobs,
-                                        replies_with_thinking, think_end_id)
+from orchestrator.openai_output import (ChoiceText, OutputFormat, TokenEntry, chat_logprobs, finish_reason,
+                                        legacy_logprobs, replies_with_thinking, think_end_id)
 from orchestrator.openai_schemas import (ChatCompletion, ChatCompletionChunk, ChatCompletionRequest, Completion,
                                          CompletionRequest, Model, ModelList, ThinkpoolVote, Usage)
 from orchestrator.routes.route_deps import caller, runtime
@@ -176,6 +176,19 @@ async def finished(task) -> SolveResult:
         raise Refused(504, str(error), "deadline_s", "deadline_exceeded") from None
 
 
+async def final_choices(rt: ApiRuntime, request: SolveRequest, task, route: str, n: int,
+                        fmt: OutputFormat) -> tuple[SolveResult, list[tuple[ThreadResult, str, str, list[TokenEntry]]]]:
+    """Wait for a non-streamed solve and render its n ranked threads: (thread, reasoning, content, logprob entries)."""
+    with rt.metrics.latency.labels(route).time():
+        result = await finished(task)
+    rendered = []
+    for thread in ranked(rt, request, result, n):
+        choice = ChoiceText(fmt)
+        choice.add(thread.text, thread.token_ids, thread.token_logprobs, thread.top_logprobs)
+        rendered.append((thread, *choice.delta(final=True)))
+    return result, rendered
+
+
 def error_event(refused: Refused | Exception) -> str:
     if not isinstance(refused, Refused):
         refused = Refused(500, f"{type(refused).__name__}: {refused}")
@@ -269,18 +282,13 @@ async def _chat(body: ChatCompletionRequest, who: Caller, rt: ApiRuntime):
         task_id, task = start(rt, request, streamed.on_event)
         return StreamingResponse(_chat_stream(streamed, task_id, task, body, model, completion_id, created,
                                               fingerprint(rt)), media_type="text/event-stream")
-    task_id, task = start(rt, request)
-    with rt.metrics.latency.labels("chat").time():
-        result = await finished(task)
-    choices = []
-    for index, thread in enumerate(ranked(rt, request, result, body.n)):
-        choice = ChoiceText(fmt)
-        choice.add(thread.text, thread.token_ids, thread.token_logprobs, thread.top_logprobs)
-        reasoning, content, entries = choice.delta(final=True)
-        choices.append({"index": index, "message": {"role": "assistant", "content": content,
-                                                    "reasoning_content": reasoning or None},
-                        "logprobs": {"content": chat_logprobs(entries)} if body.logprobs else None,
-                        "finish_reason": finish_reason(thread.finish_reason)})
+    _, task = start(rt, request)
+    result, rendered = await final_choices(rt, request, task, "chat", body.n, fmt)
+    choices = [{"index": index, "message": {"role": "assistant", "content": content,
+                                            "reasoning_content": reasoning or None},
+                "logprobs": {"content": chat_logprobs(entries)} if body.logprobs else None,
+                "finish_reason": finish_reason(thread.finish_reason)}
+               for index, (thread, reasoning, content, entries) in enumerate(rendered)]
     return ChatCompletion(id=completion_id, created=created, model=model, choices=choices, usage=usage(result),
                           system_fingerprint=fingerprint(rt), thinkpool=vote(result))
 
@@ -342,17 +350,12 @@ async def _completion(body: CompletionRequest, who: Caller, rt: ApiRuntime):
         task_id, task = start(rt, request, streamed.on_event)
         return StreamingResponse(_completion_stream(streamed, task_id, task, body, model, completion_id, created,
                                                     fingerprint(rt)), media_type="text/event-stream")
-    task_id, task = start(rt, request)
-    with rt.metrics.latency.labels("completions").time():
-        result = await finished(task)
-    choices = []
-    for index, thread in enumerate(ranked(rt, request, result, body.n)):
-        choice = ChoiceText(fmt)
-        choice.add(thread.text, thread.token_ids, thread.token_logprobs, thread.top_logprobs)
-        _, text, entries = choice.delta(final=True)
-        logprobs = legacy_logprobs(entries, len(echo), top > 0) if body.logprobs is not None else None
-        choices.append({"index": index, "text": echo + text, "logprobs": logprobs,
-                        "finish_reason": finish_reason(thread.finish_reason)})
+    _, task = start(rt, request)
+    result, rendered = await final_choices(rt, request, task, "completions", body.n, fmt)
+    choices = [{"index": index, "text": echo + text,
+                "logprobs": legacy_logprobs(entries, len(echo), top > 0) if body.logprobs is not None else None,
+                "finish_reason": finish_reason(thread.finish_reason)}
+               for index, (thread, _, text, entries) in enumerate(rendered)]
     return Completion(id=completion_id, created=created, model=model, choices=choices, usage=usage(result),
                       system_fingerprint=fingerprint(rt), thinkpool=vote(result))
 
