@@ -99,16 +99,20 @@ def test_the_teacher_forced_fit_moves_towards_the_target(adapter_8x, dms_model, 
 
 
 def test_the_shipped_retrofit_is_what_its_config_trains_and_a_higher_ratio_holds_less(dms_model):
-    """The shipped model (checkpoints/chain-qwen3) comes from configs/retrofit_chain.yaml (its ratios, steps and
-    difficulty range), every adapter loads onto its weights at its fitted threshold, and on the same problems each
-    higher ratio holds less KV while the greedy threads still solve them."""
-    config = RetrofitConfig.from_yaml(REPO_ROOT / "configs" / "retrofit_chain.yaml")
+    """The shipped model (checkpoints/chain-qwen3) comes from configs/retrofit_chain_more.yaml continuing
+    configs/retrofit_chain.yaml (its ratios, steps and difficulty range), every adapter loads onto its weights at its
+    fitted threshold, and on the same problems each higher ratio holds less KV while the greedy threads still solve
+    them."""
+    first = RetrofitConfig.from_yaml(REPO_ROOT / "configs" / "retrofit_chain.yaml")
+    config = RetrofitConfig.from_yaml(REPO_ROOT / "configs" / "retrofit_chain_more.yaml")
     assert (REPO_ROOT / config.output).resolve() == SHIPPED_MODEL.resolve() and config.full_finetune
+    assert config.continue_from == first.output and config.total_steps > first.total_steps
     problems = generate_suite(3, 4, 6, seed=13)
     realized = {}
     for cr in config.ratios:
         metadata = read_adapter_metadata(adapter_path(SHIPPED_MODEL, cr))
         assert metadata["target_cr"] == cr and metadata["train_steps"] == config.total_steps
+        assert metadata["continued_from"] == first.output
         assert metadata["threshold_fit"]["k"] == [config.k_min, config.k_max]
         assert sorted(metadata["ratios_trained_together"]) == sorted(config.ratios)
         threshold = metadata["dms_config"]["threshold"]
