@@ -255,11 +255,9 @@ def test_a_real_solve_on_the_shipped_model():
     assert state["rounds"][1] == {"event": "round", "cr": 1, "threads": 1, "greedy": True}
 
 
-def _saved_samples(redis_url: str, task_id: str) -> set[int]:
-    """The thread samples a task's Redis checkpoint holds: its state's threads plus its chunks' pending writes."""
-    from orchestrator.redis_saver import RedisSaver
-
-    saved = RedisSaver.from_url(redis_url).get_tuple({"configurable": {"thread_id": task_id}})
+def _saved_samples(saver, task_id: str) -> set[int]:
+    """The thread samples a task's checkpoint holds: its state's threads plus its chunks' pending writes."""
+    saved = saver.get_tuple({"configurable": {"thread_id": task_id}})
     if saved is None:
         return set()
     threads = list(saved.checkpoint["channel_values"].get("threads", []))
@@ -270,17 +268,20 @@ def _saved_samples(redis_url: str, task_id: str) -> set[int]:
 def test_a_killed_controller_resumes_from_redis_without_rerunning_finished_threads(redis_url, tmp_path):
     """A chunk is finished for good once the checkpointer has saved its threads: killed after that, the controller
     never runs it again. (A chunk killed between its last thread and that save is run again: at least once.)"""
+    from orchestrator.redis_saver import RedisSaver
+
+    saver = RedisSaver.from_url(redis_url)
     log = tmp_path / "chunks.log"
     env = {**os.environ, "REDIS_URL": redis_url, "CHUNK_LOG": str(log)}
     command = [sys.executable, str(Path(__file__).with_name("controller_job.py")), "resume-task"]
     first = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.time() + 240
-    while time.time() < deadline and not _saved_samples(redis_url, "resume-task"):
+    while time.time() < deadline and not _saved_samples(saver, "resume-task"):
         time.sleep(0.05)
         assert first.poll() is None, first.stderr.read()
     first.send_signal(signal.SIGKILL)
     first.wait()
-    saved = _saved_samples(redis_url, "resume-task")
+    saved = _saved_samples(saver, "resume-task")
     run_before = [tuple(json.loads(line)) for line in log.read_text().splitlines()]
     saved_chunks = [c for c in run_before if set(c) <= saved]
     assert saved_chunks and len(run_before) < 3  # killed mid-task, with at least one chunk saved
