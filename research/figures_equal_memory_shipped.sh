@@ -1,0 +1,66 @@
+#!/usr/bin/env bash
+# At equal KV memory, on the shipped pair: the vote of the 8x threads that fit against the vote of vanilla's, on
+# 300 fresh hard problems (k 16..20, seed 4201), a 13.5 MB pool (about four vanilla threads of 1000 tokens),
+# at most 1000 tokens a thread. Temperatures were chosen before this draw, on the 30-problem dev probe (seed 4101):
+# 8x at 0.5, vanilla at 0.8.
+# Resumable: the problems run in chunks of $CHUNK, and a chunk whose kept threads exist is skipped, so a stopped run
+# picks up where it left off. The two sides are independent: run SIDE=vanilla and SIDE=dms side by side, one per core,
+# then SIDE=summary pairs them (research/paired_gain.py) and plots the vote curves.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-docs/results/shipped_pair}
+BASE=${BASE:-checkpoints/chain-qwen3-base}
+DMS=${DMS:-checkpoints/chain-qwen3}
+N=${N:-300}
+CHUNK=${CHUNK:-25}
+SEED=${SEED:-4201}
+BUDGET=${BUDGET:-13.5MB}
+SIDE=${SIDE:?SIDE=vanilla, dms or summary}
+TAG=hard${N}_$SEED
+TP=.venv/bin/thinkpool
+mkdir -p "$OUT" runs/equal_memory
+PROBLEMS=runs/equal_memory/$TAG.jsonl
+[ -f "$PROBLEMS" ] || $TP generate --n "$N" --k 16-20 --seed "$SEED" --output "$PROBLEMS"
+
+run_side() {  # name, then the eval's model and sampling arguments
+  local name=$1; shift
+  local start
+  for ((start = 0; start < N; start += CHUNK)); do
+    local part=runs/equal_memory/${TAG}_${name}_$start
+    [ -f "$part.threads.jsonl" ] && continue
+    sed -n "$((start + 1)),$((start + CHUNK))p" "$PROBLEMS" > "$part.problems.jsonl"
+    echo "$(date +%T) $name: problems $start..$((start + CHUNK - 1))" >&2
+    $TP eval --problems "$part.problems.jsonl" "$@" --kv-budget "$BUDGET" --samples fit --max-new-tokens 1000 \
+      --workers 0 --json --output "$part.partial.jsonl" > "$part.json"
+    mv "$part.partial.jsonl" "$part.threads.jsonl"  # only a finished chunk counts
+  done
+  cat runs/equal_memory/${TAG}_${name}_*.threads.jsonl > "runs/equal_memory/${TAG}_$name.jsonl"
+}
+
+case "$SIDE" in
+  vanilla) run_side vanilla_T0.8 --model "$BASE" --temperature 0.8 ;;
+  dms) run_side cr8_T0.5 --model "$DMS" --cr 8 --temperature 0.5 ;;
+  summary)
+    V=runs/equal_memory/${TAG}_vanilla_T0.8.jsonl
+    D=runs/equal_memory/${TAG}_cr8_T0.5.jsonl
+    .venv/bin/python research/paired_gain.py "$N hard (k 16..20, seed $SEED)=$D,$V" \
+      --names "8x, T0.5" "vanilla, T0.8" --plot "$OUT/equal_memory_${TAG}_gain.png" > "$OUT/equal_memory_${TAG}_paired.json"
+    .venv/bin/python research/vote_curve.py "8x T0.5=$D" "vanilla T0.8=$V" \
+      --plot "$OUT/equal_memory_${TAG}_vote_curve.png" > "$OUT/equal_memory_${TAG}_vote_curve.json"
+    for side in vanilla_T0.8 cr8_T0.5; do  # the chunks' summaries, merged (threads, compression, time)
+      .venv/bin/python - "$OUT/equal_memory_${TAG}_$side.json" runs/equal_memory/${TAG}_${side}_*.json <<'EOF'
+import json, sys
+parts = [json.load(open(p)) for p in sys.argv[2:]]
+n = sum(p["n"] for p in parts)
+mean = lambda key: sum(p[key] * p["n"] for p in parts) / n
+merged = {"method": parts[0]["method"], "n": n, "chunks": len(parts), "accuracy": mean("accuracy"),
+          "mean_thread_accuracy": mean("mean_thread_accuracy"), "samples_per_problem": mean("samples_per_problem"),
+          "realized_cr": mean("realized_cr"), "kv_cr": mean("kv_cr"),
+          "kv_peak_bytes": max(p["kv_peak_bytes"] for p in parts), "kv_budget_bytes": parts[0]["kv_budget_bytes"],
+          "tokens_generated": sum(p["tokens_generated"] for p in parts), "elapsed_s": sum(p["elapsed_s"] for p in parts),
+          "preemptions": sum(p["preemptions"] for p in parts), "config": parts[0]["config"]}
+json.dump(merged, open(sys.argv[1], "w"), indent=1)
+EOF
+    done ;;
+  *) echo "SIDE must be vanilla, dms or summary" >&2; exit 2 ;;
+esac
