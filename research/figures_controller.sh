@@ -18,7 +18,7 @@ SEED=${SEED:-5101}
 FIXED=${FIXED:-1x4 1x8 8x8 8x16}
 CONCURRENCY=${CONCURRENCY:-8}
 STEPS=${STEPS:-all}
-TEMPERATURE=${TEMPERATURE:-1.0}  # the fixed configurations' sampled threads (the controller plans its own)
+# TEMPERATURE: the fixed configurations' sampled threads (unset: the settings' default; the controller plans its own)
 TP=.venv/bin/thinkpool
 mkdir -p "$OUT" runs
 if [ "$STEPS" = all ] || [ "$STEPS" = calibrate ]; then
@@ -28,10 +28,10 @@ fi
   --output "runs/controller_k1-20_$SEED.jsonl"
 if [ "$STEPS" = all ] || [ "$STEPS" = alone ]; then
   $TP bench controller --problems "runs/controller_k1-20_$SEED.jsonl" --model "$DMS" --kv-budget "$BUDGET" \
-    --profile "$PROFILE" --fixed $FIXED --temperature "$TEMPERATURE" --json --plot "$OUT/alone.png" > "$OUT/alone.json"
+    --profile "$PROFILE" --fixed $FIXED ${TEMPERATURE:+--temperature "$TEMPERATURE"} --json --plot "$OUT/alone.png" > "$OUT/alone.json"
 fi
 if [ "$STEPS" = all ] || [ "$STEPS" = together ]; then
   $TP bench controller --problems "runs/controller_k1-20_$SEED.jsonl" --model "$DMS" --kv-budget "$BUDGET" \
-    --profile "$PROFILE" --fixed $FIXED --temperature "$TEMPERATURE" --concurrency "$CONCURRENCY" --json --plot "$OUT/together.png" \
+    --profile "$PROFILE" --fixed $FIXED ${TEMPERATURE:+--temperature "$TEMPERATURE"} --concurrency "$CONCURRENCY" --json --plot "$OUT/together.png" \
     > "$OUT/together.json"
 fi
