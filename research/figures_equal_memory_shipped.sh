@@ -48,6 +48,10 @@ case "$SIDE" in
     .venv/bin/python research/vote_curve.py "8x T0.5=$D" "vanilla T0.8=$V" \
       --plot "$OUT/equal_memory_${TAG}_vote_curve.png" > "$OUT/equal_memory_${TAG}_vote_curve.json"
     .venv/bin/python research/vote_agreement.py "8x, T0.5=$D" "vanilla, T0.8=$V" > "$OUT/equal_memory_${TAG}_agreement.json"
+    for side in cr8_T0.5 vanilla_T0.8; do  # the same threads under other votes (majority, confidence-weighted, ...)
+      .venv/bin/python research/score_aggregations.py "runs/equal_memory/${TAG}_$side.jsonl" \
+        > "$OUT/equal_memory_${TAG}_${side}_aggregations.json"
+    done
     for side in vanilla_T0.8 cr8_T0.5; do  # the chunks' summaries, merged (threads, compression, time)
       .venv/bin/python - "$OUT/equal_memory_${TAG}_$side.json" runs/equal_memory/${TAG}_${side}_*.json <<'EOF'
 import json, sys
