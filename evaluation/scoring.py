@@ -14,7 +14,7 @@ from collections import defaultdict
 from dataclasses import dataclass
 
 from dms_runtime.loading import kv_geometry
-from policies.voting import majority_vote
+from policies.voting import vote_by
 from evaluation.reference_decode import KVPolicy, SamplingParams, generate_threads
 from tasks.families import TaskFamily, get_family
 from tasks.jsonl import problem_seed, row_family
@@ -29,6 +29,7 @@ class EvalOptions:
     top_p: float = 1.0
     max_new_tokens: int = 1536
     batch_size: int = 64
+    vote: str = "majority"  # how sampled threads' answers become one (policies.voting.VOTES)
 
 
 def evaluate(
@@ -53,7 +54,7 @@ def evaluate(
     threads_by_problem: dict[int, list] = defaultdict(list)
     for thread in generation.threads:
         threads_by_problem[thread.problem_index].append(thread)
-    records = [problem_record(problem, threads_by_problem[index]) for index, problem in enumerate(problems)]
+    records = [problem_record(problem, threads_by_problem[index], vote=options.vote) for index, problem in enumerate(problems)]
     return {
         "method": method,
         **summarize(records, generation.tokens_generated, generation.elapsed_s),
@@ -64,7 +65,7 @@ def evaluate(
             "model": model_name,
             "kv_bytes_per_token": kv_geometry(model).kv_bytes_per_token,
             "samples": options.samples,
-            "decoding": "greedy" if options.samples == 1 else "sampled+majority",
+            "decoding": "greedy" if options.samples == 1 else f"sampled+{options.vote}",
             "temperature": sampling.temperature,
             "top_p": sampling.top_p,
             "max_new_tokens": options.max_new_tokens,
@@ -75,13 +76,13 @@ def evaluate(
     }
 
 
-def problem_record(problem: dict, threads: list, family: TaskFamily | None = None) -> dict:
+def problem_record(problem: dict, threads: list, family: TaskFamily | None = None, vote: str = "majority") -> dict:
     """One problem's outcome from its threads (anything with ``answer``, ``tokens``, ``mean_logprob``,
-    ``min_logprob`` and ``realized_cr``), answers compared and grouped by the problem's task ``family`` (default:
-    chain); each thread's answer and confidence are kept, so that other aggregations can be scored on the same
-    threads later."""
+    ``min_logprob`` and ``realized_cr``) under the ``vote`` rule, answers compared and grouped by the problem's task
+    ``family`` (default: chain); each thread's answer and confidence are kept, so that other aggregations can be
+    scored on the same threads later."""
     family = family or get_family("chain")
-    vote = majority_vote([t.answer for t in threads], [t.mean_logprob for t in threads], key=family.key)
+    vote = vote_by(vote, [t.answer for t in threads], [t.mean_logprob for t in threads], key=family.key)
     return {
         "id": problem["id"],
         "k": problem.get("k"),
@@ -165,7 +166,8 @@ async def evaluate_on_pool(
     elapsed = time.perf_counter() - started
     stats = [s for s in await pool.stats() if s is not None]
     threads = [t for group in results for t in group]
-    records = [problem_record(problem, group, family) for problem, group, family in zip(problems, results, families)]
+    records = [problem_record(problem, group, family, options.vote)
+               for problem, group, family in zip(problems, results, families)]
     info = pool.info()
     return {
         "method": method,
@@ -186,7 +188,7 @@ async def evaluate_on_pool(
             "kv_growth": info["budget_model"]["growth"].get(cr),
             "samples": "fit" if fit else options.samples,
             "one_problem_at_a_time": sequential,
-            "decoding": "greedy" if set(counts) == {1} else "sampled+majority",
+            "decoding": "greedy" if set(counts) == {1} else f"sampled+{options.vote}",
             "temperature": options.temperature,
             "top_p": options.top_p,
             "max_new_tokens": options.max_new_tokens,

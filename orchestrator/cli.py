@@ -12,6 +12,7 @@ from dms_runtime.kv_growth import MIN_PAST_WINDOW
 from orchestrator.arguments import bounded, byte_size, fixed_config, k_range, sample_count
 from orchestrator.settings import get_settings
 from policies.planner import SIGNALS
+from policies.voting import VOTES
 from tasks.families import FAMILIES
 
 
@@ -74,6 +75,9 @@ def build_parser() -> argparse.ArgumentParser:
                           help="the controller's calibration profile (default: the model's calibration-<task>.json)")
     evaluate.add_argument("--max-threads", type=bounded(int, 1, max_samples), default=32,
                           help="the controller's thread budget per problem")
+    evaluate.add_argument("--vote", choices=VOTES, default="majority",
+                          help="how sampled threads' answers become one: majority (ties to the surer threads) or "
+                               "confidence (the surer half, weighted by confidence)")
     evaluate.add_argument("--json", action="store_true", help="print one JSON summary object")
     evaluate.add_argument("--plot", type=Path, default=None, help="draw accuracy by k to this PNG")
     evaluate.add_argument("--output", type=Path, default=None, help="write per-problem results (JSONL)")

@@ -54,7 +54,7 @@ from langgraph.types import Send
 from orchestrator.allocator import ThreadAllocator
 from policies.planner import CalibrationProfile, plan
 from policies.stopping import settled
-from policies.voting import confidence_vote, majority_vote
+from policies.voting import vote_by
 from tasks.families import get_family
 from workers.kv_budget import KVBudgetModel
 from workers.thread import SamplingParams
@@ -297,10 +297,8 @@ class Controller:
         threads = state["threads"]
         answers = [t["answer"] for t in threads]
         family = get_family(state.get("task_family", "chain"), answer_pattern=state.get("answer_pattern"))
-        if self.weighting == "confidence":
-            vote = confidence_vote(answers, [t["mean_logprob"] for t in threads])
-        else:  # equal answers by the family's key (0.5 and \frac{1}{2} are one math answer)
-            vote = majority_vote(answers, [t["mean_logprob"] for t in threads], key=family.key)
+        # equal answers by the family's key (0.5 and \frac{1}{2} are one math answer)
+        vote = vote_by(self.weighting, answers, [t["mean_logprob"] for t in threads], key=family.key)
         return {"answer": vote.answer, "votes": vote.counts}
 
     def cancel(self, task_id: str) -> None:

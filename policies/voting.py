@@ -78,6 +78,21 @@ def confidence_vote(answers: list[str | None], mean_logprobs: list[float], keep:
     return weighted_vote([answers[i] for i in kept], [math.exp(mean_logprobs[i]) for i in kept], key)
 
 
+# The votes a run of sampled threads can be scored by (``thinkpool eval --vote``, the controller's ``weighting``).
+VOTES = ("majority", "confidence")
+
+
+def vote_by(rule: str, answers: list[str | None], mean_logprobs: list[float],
+            key: Callable[[str], str] | None = None) -> Vote:
+    """The answer of ``rule`` (one of :data:`VOTES`): :func:`majority_vote` (ties to the surer threads) or
+    :func:`confidence_vote` (the surer half, weighted by confidence)."""
+    if rule == "majority":
+        return majority_vote(answers, mean_logprobs, key=key)
+    if rule == "confidence":
+        return confidence_vote(answers, mean_logprobs, key=key)
+    raise ValueError(f"vote must be one of {', '.join(VOTES)}, got {rule!r}")
+
+
 def best_of_n(texts: list[str], answers: list[str | None], verifier) -> Vote:
     """The answer of the thread that ``verifier(text, answer) -> score`` rates highest (first on ties)."""
     scored = [(verifier(text, answer), -i) for i, (text, answer) in enumerate(zip(texts, answers)) if answer is not None]

@@ -39,6 +39,18 @@ def test_vote_reports_samples_and_votes(easy_file, tmp_path):
     assert len(records) == 2 and all(sum(r["votes"].values()) <= 4 for r in records)
 
 
+def test_eval_scores_sampled_threads_by_the_vote_asked_for(easy_file, tmp_path):
+    out = tmp_path / "results.jsonl"
+    done = thinkpool("eval", "--problems", str(easy_file), "--limit", "3", "--samples", "4", "--vote", "confidence",
+                     "--json", "--output", str(out), "--workers", "0")
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout)["config"]["decoding"] == "sampled+confidence"
+    for record in (json.loads(line) for line in out.read_text().splitlines()):
+        threads = record["threads"]
+        surer = sorted(threads, key=lambda t: -t["mean_logprob"])[:2]  # the kept half: only its answers can win
+        assert record["answer"] in {t["answer"] for t in surer}
+
+
 def test_eval_controller_reports_its_plans_and_writes_each_task(easy_file, tmp_path):
     out = tmp_path / "tasks.jsonl"
     done = thinkpool("eval", "--problems", str(easy_file), "--limit", "2", "--controller", "auto", "--kv-budget", "8MB",
@@ -94,6 +106,7 @@ def test_the_default_model_serves_every_ratio():
         (("eval", "--problems", "{bad}", "--kv-budget", "lots"), "argument --kv-budget: expected bytes"),
         (("eval", "--problems", "{bad}", "--samples", "many"), "argument --samples: expected int"),
         (("eval", "--problems", "{bad}", "--temperature", "-1"), "argument --temperature"),
+        (("eval", "--problems", "{bad}", "--vote", "loudest"), "argument --vote: invalid choice: 'loudest'"),
         (("generate", "--n", "3", "--k", "0-30", "--output", "x.jsonl"), "argument --k"),
         (("info", "--model", "/nonexistent"), "argument --model: no model at /nonexistent"),
         (("retrofit", "--thresholds-only", "--output", "{tmp}"), "argument --thresholds-only: no trained adapter at"),

@@ -16,7 +16,7 @@ from tasks.chain_tokenizer import build_tokenizer
 from orchestrator.controller import Budget, Controller
 from policies.planner import CalibrationProfile, ProfileEntry, plan
 from policies.stopping import leader_probability, settled
-from policies.voting import best_of_n, confidence_vote, weighted_vote
+from policies.voting import best_of_n, confidence_vote, vote_by, weighted_vote
 from policies.extraction import extract_math_answer, get_extractor
 from workers.records import ThreadResult
 
@@ -49,6 +49,11 @@ def test_policies_on_hand_made_votes():
     # two confident threads outvote three unsure ones once the least confident half is dropped
     vote = confidence_vote(["7", "7", "2", "2", "2"], [-0.01, -0.02, -0.9, -0.8, -1.2], keep=0.5)
     assert vote.answer == "7" and vote.counts == {"7": 2, "2": 1}
+    # by name, as eval --vote and the controller's weighting choose: the same threads, two winners
+    answers, sureness = ["7", "7", "2", "2", "2"], [-0.01, -0.02, -0.9, -0.8, -1.2]
+    assert vote_by("majority", answers, sureness).answer == "2" and vote_by("confidence", answers, sureness).answer == "7"
+    with pytest.raises(ValueError, match="vote must be one of majority, confidence"):
+        vote_by("loudest", answers, sureness)
     assert best_of_n(["a", "bb", "ccc"], ["1", "2", None], verifier=lambda text, answer: len(text)).answer == "2"
     assert leader_probability({"4": 4}) > 0.95 > leader_probability({"4": 3})
     assert settled({"1": 6, "2": 1}) and not settled({"1": 5, "2": 2}) and not settled({})

@@ -50,6 +50,7 @@ def cmd_eval(args, parser) -> int:
         top_p=args.top_p,
         max_new_tokens=args.max_new_tokens,
         batch_size=args.batch_size,
+        vote=args.vote,
     )
     if args.controller:
         return eval_controller(args, parser, problems, model_dir, options)
@@ -144,12 +145,14 @@ def eval_controller(args, parser, problems: list[dict], model_dir, options) -> i
         parser.error("argument --controller: needs --kv-budget (the memory each problem's threads may hold)")
     pool = make_pool(model_dir, args.kv_budget, args.workers)
     service = make_service(args, parser, problems, model_dir, pool)
+    for controller in service.controllers.values():
+        controller.weighting = options.vote
     report = asyncio.run(run_controller(problems, service, service.info["kv_budget_bytes"], args.max_threads,
                                         options.seed))
     pool.shutdown()
     records = report.pop("problems")
     profiles = sorted({str(c.profile.path) for c in service.controllers.values() if c.profile.path is not None})
-    report["config"] = {"model": str(model_dir), "profile": ", ".join(profiles), **report["config"]}
+    report["config"] = {"model": str(model_dir), "profile": ", ".join(profiles), "vote": options.vote, **report["config"]}
     if args.output:
         from tasks.jsonl import write_jsonl
 
