@@ -94,7 +94,7 @@ class DMSHandle:
             raise ValueError(f"mode must be train, infer, probe or off, got {mode!r}")
         for module in self.modules:
             module.dms.mode = mode
-            module.dms.logits = module.dms.alpha = module.dms.cache = module.dms.far_attention = module.dms.far_reads = None
+            module.dms.logits = module.dms.alpha = module.dms.cache = module.dms.far_attention = None
 
     @contextmanager
     def mode(self, mode: str) -> Iterator["DMSHandle"]:
@@ -112,11 +112,6 @@ class DMSHandle:
     def far_attentions(self) -> list[torch.Tensor]:
         """Probe: each layer's ``[B, kv_heads, T]`` far attention (see :func:`~dms_runtime.attention.far_attention`)."""
         return [module.dms.far_attention for module in self.modules]
-
-    def far_reads(self) -> list[torch.Tensor]:
-        """Probe: each layer's ``[B, kv_heads, T]`` count of reads from beyond the window (see
-        :func:`~dms_runtime.attention.far_reads`)."""
-        return [module.dms.far_reads for module in self.modules]
 
     def new_cache(self, dense_prefill: bool = False) -> DMSCache:
         return DMSCache(len(self.modules), self.config.window, self.config.threshold, dense_prefill)

@@ -13,8 +13,8 @@ and find their gate logits (set by a pre-hook, see :mod:`dms_runtime.attach`) on
   computes the attention itself.
 * Probe (``"probe"``): the vanilla model's attention, its probabilities also written out so that it can report, per
   KV head and key, the most attention the key receives from any query more than ``w`` positions later
-  (:func:`far_attention`), and how often it is read from there (:func:`far_reads`): what a key is still needed
-  for once it has left the window. Retrofit uses them to warm-start the gates.
+  (:func:`far_attention`): what a key is still needed for once it has left the window. Retrofit uses it
+  to warm-start the gates.
 """
 
 from __future__ import annotations
@@ -43,7 +43,6 @@ class LayerState:
     alpha: torch.Tensor | None = None  # training: [B, decisions, T] straight-through eviction decisions
     cache: object | None = None
     far_attention: torch.Tensor | None = None  # probe: [B, kv_heads, T], see far_attention()
-    far_reads: torch.Tensor | None = None  # probe: [B, kv_heads, T], see far_reads()
     extras: dict = field(default_factory=dict)
 
 
@@ -177,28 +176,10 @@ def far_attention(probs: torch.Tensor, kv_heads: int, window: int) -> torch.Tens
     return (grouped * beyond).amax(2)
 
 
-# A query "reads" a key when it gives it at least this weight: well above the diffuse background of a head that
-# spreads its weight over many past tokens, well below one sharp read.
-READ_LEVEL = 0.05
-
-
-def far_reads(probs: torch.Tensor, kv_heads: int, window: int, level: float = READ_LEVEL) -> torch.Tensor:
-    """``[B, kv_heads, k]``: per key, how many (query head of its KV group, query more than ``window`` positions
-    later) pairs give it at least ``level``: how often a key is still read once it has left the window."""
-    batch, heads, q_len, k_len = probs.shape
-    query_pos = torch.arange(k_len - q_len, k_len, device=probs.device)[:, None]
-    beyond = (query_pos - torch.arange(k_len, device=probs.device)[None, :]) > window
-    reads = (probs >= level) & beyond
-    return reads.reshape(batch, kv_heads, heads // kv_heads, q_len, k_len).sum(dim=(2, 3))
-
-
 def _probe_attention(module, state: LayerState, query, key, value, attention_mask, scaling):
-    """The vanilla output through SDPA; the probabilities written out only for :func:`far_attention` and
-    :func:`far_reads`."""
+    """The vanilla output through SDPA; the probabilities written out only for :func:`far_attention`."""
     allowed = _base_mask(attention_mask, query.shape[2], key.shape[2], query.device)
-    probs = _attention_probs(query, key, allowed, scaling)
-    state.far_attention = far_attention(probs, key.shape[1], state.window).detach()
-    state.far_reads = far_reads(probs, key.shape[1], state.window)
+    state.far_attention = far_attention(_attention_probs(query, key, allowed, scaling), key.shape[1], state.window).detach()
     return grouped_sdpa(query, key, value, allowed, scaling), None
 
 

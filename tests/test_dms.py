@@ -336,41 +336,15 @@ def test_probe_mode_is_the_vanilla_model_and_reports_far_attention(kind):
     handle = attach_dms(model, build_gates(model, DMSConfig(window=3)), DMSConfig(window=3))
     with torch.no_grad(), handle.mode("probe"):
         probed = model(input_ids=ids).logits
-        far, reads = handle.far_attentions(), handle.far_reads()
+        far = handle.far_attentions()
     torch.testing.assert_close(probed, vanilla, rtol=1e-4, atol=1e-4)
     assert len(far) == 2 and far[0].shape == (2, 2, 12)  # layers x [B, kv_heads, T]
-    assert reads[0].shape == (2, 2, 12) and (reads[0][..., -4:] == 0).all()
     assert (far[0][..., -4:] == 0).all() and (far[0][..., :8] > 0).all()  # the last w+1 keys have no far query
     # far_attention on a hand-made pattern: key 0 gets 0.9 from query 5 (far), key 4 only near queries.
     probs = torch.zeros(1, 2, 6, 6)
     probs[0, 1, 5, 0] = 0.9
     probs[0, 0, 5, 4] = 0.8
     assert far_attention(probs, kv_heads=1, window=2)[0, 0].tolist() == pytest.approx([0.9, 0, 0, 0, 0, 0])
-
-
-def test_far_reads_count_the_reads_a_key_gets_from_beyond_the_window():
-    from dms_runtime.attention import far_reads
-
-    probs = torch.zeros(1, 2, 6, 6)  # two query heads of one KV group
-    probs[0, 0, 4, 0] = probs[0, 1, 5, 0] = probs[0, 0, 5, 0] = 0.3  # key 0: read three times from far queries
-    probs[0, 1, 5, 1] = 0.01  # key 1: under the read level
-    probs[0, 0, 3, 2] = 0.9  # key 2: read only by a query inside the window
-    assert far_reads(probs, kv_heads=1, window=1)[0, 0].tolist() == [3, 0, 0, 0, 0, 0]
-    assert far_reads(probs, kv_heads=2, window=1)[0].tolist() == [[2, 0, 0, 0, 0, 0], [1, 0, 0, 0, 0, 0]]
-
-
-def test_most_read_tokens_are_the_fraction_read_most_often_past_layer_0():
-    from training.gate_labels import most_read_tokens
-
-    # two layers of two KV heads, one row of 8 tokens, window 1: tokens 0..5 can leave the window
-    layer0 = torch.zeros(1, 2, 8)
-    layer0[0, 0, 5] = 50  # layer 0 reads by position: not counted
-    layer1 = torch.zeros(1, 2, 8)
-    layer1[0, 0, 1], layer1[0, 1, 1] = 2, 2  # token 1: 4 reads over its heads
-    layer1[0, 1, 3] = 3
-    layer1[0, 0, 7] = 9  # token 7 never leaves the window: never long-lived
-    chosen = most_read_tokens([layer0, layer1], torch.tensor([8]), window=1, fraction=0.5)
-    assert chosen[0].tolist() == [True, True, False, True, False, False, False, False]  # 1, 3, then 0 of the ties
 
 
 def test_far_attention_labels_evict_the_least_read_keys_at_the_fraction():

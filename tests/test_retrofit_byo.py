@@ -152,23 +152,8 @@ def test_problem_batches_score_the_completion_tokens_only(tmp_path, model_dir, p
 def test_role_labels_need_the_chain_task(tmp_path, model_dir, problems, capsys):
     err = refused(capsys, "--config", "configs/retrofit_chain.yaml", "--model", model_dir, "--problems", problems,
                   "--output", tmp_path / "out")
-    assert "warmstart_labels" in err and "cot_roles" in err and "read_roles" in err and "Traceback" not in err
+    assert "warmstart_labels" in err and "cot_roles" in err and "Traceback" not in err
     assert not (tmp_path / "out").exists()  # refused before anything ran
-
-
-def test_read_roles_plan_role_labels_for_any_task_from_what_the_model_reads(tmp_path, model_dir, problems):
-    """Role labels without the chain task: the long-lived tokens are those the frozen model reads most from beyond
-    the window; the plan is stored with the run, and each ratio records how many pairs keep them."""
-    out = tmp_path / "out"
-    config = recipe(tmp_path, warmstart_labels="read_roles", gate_supervision=0.1, long_lived_fraction=0.3)
-    assert retrofit_cli("--config", config, "--model", model_dir, "--problems", problems, "--output", out) == 0
-    state = torch.load(next(out.glob("retrofit_state-*.pt")), weights_only=False)
-    bands = torch.tensor(state["roles"]["bonus"])
-    assert (bands[0] == 0).all() and (bands[1:] > 0).all()  # layer 0 gets no band, every later pair one
-    pairs = [read_adapter_metadata(out / f"dms-{ratio}x.safetensors")["long_lived_pairs"] for ratio in (2, 4)]
-    assert pairs[0] >= pairs[1] >= 0  # the higher ratio keeps its long-lived tokens in no more pairs
-    with pytest.raises(ValidationError, match="long_lived_fraction"):
-        RetrofitConfig(problems="x.jsonl", warmstart_labels="read_roles", long_lived_fraction=1.0)
 
 
 def test_bad_problem_files_and_options_are_named(tmp_path, model_dir, problems, capsys):

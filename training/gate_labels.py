@@ -1,9 +1,8 @@
 """Eviction labels for the gate warm start and for gate supervision: which KV entries each ratio should drop.
 
 Two schemes. ``far_attention_labels`` evicts the keys the frozen model reads least from beyond the window, a
-fixed fraction of them per batch. ``RoleLabels`` is told which tokens hold values that are read long after they
-are written ("long-lived": for chain-task models, the prompt and the register lines; for any model, the tokens
-its frozen attention reads most often from beyond the window, :func:`most_read_tokens`) and gives every
+fixed fraction of them per batch. ``RoleLabels`` (chain-task models) knows which tokens hold values that are
+read long after they are written (the prompt and the register lines: "long-lived") and gives every
 (layer, head) pair from layer 1 on its own band for them, so a ratio keeps them whole in as many pairs as
 its memory allows; its thresholds are fixed before training, on calibration batches, so that the labels
 realize the ratio as eval measures it (a mean over threads, layers and heads of tokens processed / tokens
@@ -59,25 +58,6 @@ def far_attention_labels(far: list[torch.Tensor], lengths: torch.Tensor, window:
     if not eligible.any():
         return torch.zeros_like(stacked), torch.ones_like(stacked), eligible
     return threshold_labels(stacked, lengths, window, sampled_quantile(stacked[eligible], fraction).item())
-
-
-def most_read_tokens(reads: list[torch.Tensor], lengths: torch.Tensor, window: int, fraction: float) -> torch.Tensor:
-    """``[B, T]`` bool: the long-lived tokens of a batch for any task, the ``fraction`` of the tokens that left the
-    window (ties broken by position) that the frozen model reads most often from beyond it (``reads``: per layer,
-    :func:`~dms_runtime.attention.far_reads` ``[B, kv, T]``), counted over every KV head of layer 1 on (layer 0, as
-    in :func:`pair_bonus`, reads by position rather than by role). Counting reads ranks a token by how long and how
-    much it stays in use; the most weight any one query gives it (``far_attention``) follows single diffuse reads.
-    Right padding's queries read too: batches of neighbouring lengths keep that small."""
-    counted = torch.stack(reads[1:] if len(reads) > 1 else reads).float().sum(dim=(0, 2))  # [B, T]
-    eligible = left_window_mask(lengths.to(counted.device), counted.shape[-1], window)
-    chosen = torch.zeros_like(eligible)
-    keep = round(fraction * int(eligible.sum()))
-    if keep:
-        # earlier tokens first among equal counts: they have had more chances to be read
-        position = torch.arange(counted.shape[-1], device=counted.device).float() / (counted.shape[-1] * 2)
-        ranked = (counted - position).masked_fill(~eligible, float("-inf")).flatten()
-        chosen.view(-1)[ranked.topk(keep).indices] = True
-    return chosen
 
 
 def pair_bonus(reads: torch.Tensor) -> torch.Tensor:

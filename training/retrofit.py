@@ -57,8 +57,7 @@ from training.completions import sample_completions
 from training.retrofit_data import ChainText, TrainingText, training_text
 from dms_runtime.config import DMSConfig
 from dms_runtime.gates import build_gates
-from training.gate_labels import (RoleLabels, eligible_mask, far_attention_labels, left_window_mask, most_read_tokens,
-                                  sampled_quantile)
+from training.gate_labels import RoleLabels, eligible_mask, far_attention_labels, left_window_mask, sampled_quantile
 from dms_runtime.loading import load_model
 from dms_runtime.nvidia_gates import export_block_size
 from dms_runtime.nvidia_layout import export_nvidia_layout
@@ -66,8 +65,6 @@ from tasks.families import FAMILIES
 from training.precision import autocast
 from training.thresholds import DEFAULT_PROBLEMS
 from training.yaml_config import load_yaml_config
-
-ROLE_LABELS = ("cot_roles", "read_roles")  # the warm-start labels planned once as RoleLabels
 
 
 class RetrofitConfig(BaseModel):
@@ -116,11 +113,8 @@ class RetrofitConfig(BaseModel):
     # (on the shipped model most heads attend diffusely, and per-head labels follow that noise).
     # cot_roles: tokens of the chain of thought's long-lived regions (prompt, registers) are kept whole in as
     # many (layer, head) pairs as each ratio allows, the rest by far attention (training.gate_labels.RoleLabels);
-    # only for models trained on the chain task. read_roles: the same plan for any task, the long-lived tokens being
-    # the long_lived_fraction of tokens the frozen model reads most often from beyond the window
-    # (training.gate_labels.most_read_tokens).
-    warmstart_labels: Literal["per_head", "per_token", "cot_roles", "read_roles"] = "per_head"
-    long_lived_fraction: float = Field(0.25, gt=0, lt=1)
+    # only for models trained on the chain task.
+    warmstart_labels: Literal["per_head", "per_token", "cot_roles"] = "per_head"
     # After the warm start, train only the weights (full fine-tuning) under the warm-started gates' decisions:
     # measured on the shipped model, KL through the straight-through estimator moves the gates away from what
     # the warm start found faster than it improves them.
@@ -161,7 +155,7 @@ class RetrofitConfig(BaseModel):
             return self
         if self.warmstart_labels == "cot_roles":
             raise ValueError("warmstart_labels: cot_roles labels the roles of the chain task's reference chain of "
-                             "thought; a problem file's completions have none: use read_roles, per_head or per_token")
+                             "thought; a problem file's completions have none: use per_head or per_token")
         return self
 
     @model_validator(mode="after")
@@ -298,9 +292,9 @@ def ratio_logits(decisions: list[torch.Tensor], row_ratio: torch.Tensor, lengths
     return stacked[eligible_mask(stacked, lengths, window) & rows[None, :, None, None]]
 
 
-def probe_pass(model, handle, row_gates: nn.ModuleList, batch, ratios: int) -> tuple[torch.Tensor, list, list, list]:
-    """The frozen model on ``batch`` in probe mode: each row's ratio index, per-layer far attention, per-layer
-    gate decision logits ``[B, kv, T]`` (with gradients to the gates) and per-layer far reads."""
+def probe_pass(model, handle, row_gates: nn.ModuleList, batch, ratios: int) -> tuple[torch.Tensor, list, list]:
+    """The frozen model on ``batch`` in probe mode: each row's ratio index, per-layer far attention and
+    per-layer gate decision logits ``[B, kv, T]`` (with gradients to the gates)."""
     device = next(model.parameters()).device
     row_ratio = torch.arange(len(batch.input_ids)) % ratios
     for gates in row_gates:
@@ -308,29 +302,18 @@ def probe_pass(model, handle, row_gates: nn.ModuleList, batch, ratios: int) -> t
     with handle.mode("probe"), autocast(device):
         with torch.no_grad():
             model(input_ids=batch.input_ids.to(device), use_cache=False)
-        far, reads = handle.far_attentions(), handle.far_reads()
+        far = handle.far_attentions()
         decisions = [shifted_decisions(module.dms.logits.float()) for module in handle.modules]
-    return row_ratio, far, decisions, reads
+    return row_ratio, far, decisions
 
 
-def long_lived_tokens(config: RetrofitConfig, tokenizer, batch, reads: list[torch.Tensor]) -> torch.Tensor | None:
-    """``[B, T]``: the tokens role labels keep whole (the chain task's roles, or the most read), None without them."""
-    if config.warmstart_labels == "cot_roles":
-        return long_lived_mask(tokenizer, batch)
-    if config.warmstart_labels == "read_roles":
-        return most_read_tokens(reads, batch.lengths, config.window, config.long_lived_fraction).cpu()
-    return None
-
-
-def gate_label_loss(config: RetrofitConfig, batch, far: list[torch.Tensor], decisions: list[torch.Tensor],
+def gate_label_loss(config: RetrofitConfig, tokenizer, batch, far: list[torch.Tensor], decisions: list[torch.Tensor],
                     row_ratio: torch.Tensor, fractions: list[float], roles: RoleLabels | None = None,
-                    labelled: list[list[float]] | None = None,
-                    long_lived: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, str]]:
+                    labelled: list[list[float]] | None = None) -> tuple[torch.Tensor, dict[str, str]]:
     """The warm start's objective on one batch: binary cross-entropy of every ratio's decision logits (its
-    rows) against its labels (``roles``' on the ``long_lived`` tokens when given, else far attention at
-    ``fractions``), and each ratio's agreement with them. ``labelled`` accumulates, per ratio, the evicted and
-    eligible counts of the labels."""
-    scores = roles.scores(far, long_lived) if roles is not None else None
+    rows) against its labels (``roles``' when given, else far attention at ``fractions``), and each ratio's
+    agreement with them. ``labelled`` accumulates, per ratio, the evicted and eligible counts of the labels."""
+    scores = roles.scores(far, long_lived_mask(tokenizer, batch)) if roles is not None else None
     loss = torch.zeros((), device=decisions[0].device)
     shown = {}
     for index, (final, fraction) in enumerate(zip(config.ratios, fractions)):
@@ -353,19 +336,14 @@ def gate_label_loss(config: RetrofitConfig, batch, far: list[torch.Tensor], deci
 
 
 @torch.no_grad()
-def plan_role_labels(model, handle, row_gates: nn.ModuleList, config: RetrofitConfig, tokenizer,
-                     text: TrainingText, problem_batches: int = 20) -> RoleLabels:
-    """Role labels' bands and thresholds from the frozen model's far attention on fresh calibration batches: for
-    chain text one per difficulty (the eval's ratio weighs every problem, short or long, the same), for a problem
-    file's completions ``problem_batches`` (each a run of neighbouring lengths from a random place)."""
-    if isinstance(text, ChainText):
-        batches = [text.batch(15_485_863 * k, k, k) for k in range(config.k_min, config.k_max + 1)]
-    else:
-        batches = [text.batch(-15_485_863 * (index + 1)) for index in range(problem_batches)]
+def plan_role_labels(model, handle, row_gates: nn.ModuleList, config: RetrofitConfig, text: ChainText) -> RoleLabels:
+    """Role labels' bands and thresholds from the frozen model's far attention on fresh calibration batches,
+    one per difficulty (the eval's ratio weighs every problem, short or long, the same)."""
     probes = []
-    for batch in batches:
-        _, far, _, reads = probe_pass(model, handle, row_gates, batch, len(config.ratios))
-        probes.append(([f.float().cpu() for f in far], long_lived_tokens(config, tokenizer, batch, reads), batch.lengths))
+    for k in range(config.k_min, config.k_max + 1):
+        batch = text.batch(15_485_863 * k, k, k)
+        _, far, _ = probe_pass(model, handle, row_gates, batch, len(config.ratios))
+        probes.append(([f.float().cpu() for f in far], long_lived_mask(text.tokenizer, batch), batch.lengths))
     return RoleLabels.plan(probes, config.ratios, config.window)
 
 
@@ -379,9 +357,8 @@ def warm_start(model, handle, row_gates: nn.ModuleList, config: RetrofitConfig, 
     bar = tqdm(range(config.warmstart_steps), desc="gate warm start", disable=quiet)
     for step in bar:
         batch = text.batch(7_919 * (step + 1))
-        row_ratio, far, decisions, reads = probe_pass(model, handle, row_gates, batch, len(config.ratios))
-        loss, shown = gate_label_loss(config, batch, far, decisions, row_ratio, fractions, roles, labelled,
-                                      long_lived_tokens(config, tokenizer, batch, reads))
+        row_ratio, far, decisions = probe_pass(model, handle, row_gates, batch, len(config.ratios))
+        loss, shown = gate_label_loss(config, tokenizer, batch, far, decisions, row_ratio, fractions, roles, labelled)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         optimizer.step()
@@ -400,7 +377,7 @@ def calibrate_offsets(model, handle, row_gates: nn.ModuleList, config: RetrofitC
     collected: list[list[torch.Tensor]] = [[] for _ in range(ratios)]
     for index in range(batches):
         batch = text.batch(-104_729 * (index + 1))
-        row_ratio, _, decisions, _ = probe_pass(model, handle, row_gates, batch, ratios)
+        row_ratio, _, decisions = probe_pass(model, handle, row_gates, batch, ratios)
         for r in range(ratios):
             collected[r].append(ratio_logits(decisions, row_ratio, batch.lengths, config.window, r).detach().float().cpu())
     for r, fraction in enumerate(fractions):
@@ -504,16 +481,16 @@ def retrofit(config: RetrofitConfig, steps: int | None = None, quiet: bool = Fal
             model.load_state_dict(state["model"])
         start = state["step"]
     elif config.continue_from:
-        if config.warmstart_labels in ROLE_LABELS:  # planned on the base weights, as the run being continued did
-            roles = plan_role_labels(model, handle, row_gates, config, tokenizer, text)
+        if config.warmstart_labels == "cot_roles":  # planned on the base weights, as the run being continued did
+            roles = plan_role_labels(model, handle, row_gates, config, text)
         start, warm_fractions, label_thresholds = continue_from_export(model, per_ratio, config)
         if roles is not None:
             roles.thresholds = label_thresholds  # what its labels were: the plan repeated on other hardware may round apart
     end = min(config.total_steps, start + steps) if steps is not None else config.total_steps
     lengths = text.lengths()
     label_fractions = [eviction_target(final, dms.window, lengths) for final in config.ratios]  # the labels' targets
-    if config.warmstart_labels in ROLE_LABELS and roles is None:
-        roles = plan_role_labels(model, handle, row_gates, config, tokenizer, text)
+    if config.warmstart_labels == "cot_roles" and roles is None:
+        roles = plan_role_labels(model, handle, row_gates, config, text)
     if start == 0 and config.warmstart_steps:
         warm_fractions = warm_start(model, handle, row_gates, config, tokenizer, text, label_fractions, roles, quiet)
     if config.freeze_gates:
@@ -536,7 +513,6 @@ def retrofit(config: RetrofitConfig, steps: int | None = None, quiet: bool = Fal
                 (teacher_handle.mode("probe") if supervised else handle.mode("off")):
             teacher_logits = teacher(input_ids=input_ids, use_cache=False).logits
             far = teacher_handle.far_attentions() if supervised else []
-            reads = teacher_handle.far_reads() if supervised else []
         handle.set_mode("train")
         with autocast(device):
             student_logits = model(input_ids=input_ids, use_cache=False).logits
@@ -555,8 +531,8 @@ def retrofit(config: RetrofitConfig, steps: int | None = None, quiet: bool = Fal
             # ones): the compression term holds the batch to them rather than to the pooled fraction.
             labelled = [[0.0, 0.0] for _ in config.ratios]
             decisions = [shifted_decisions(module.dms.logits.float()) for module in handle.modules]
-            bce, shown["labels"] = gate_label_loss(config, batch, far, decisions, row_ratio, label_fractions, roles,
-                                                     labelled, long_lived_tokens(config, tokenizer, batch, reads))
+            bce, shown["labels"] = gate_label_loss(config, tokenizer, batch, far, decisions, row_ratio, label_fractions, roles,
+                                                     labelled)
             batch_targets = [evicted / eligible if eligible else target for (evicted, eligible), target in zip(labelled, fraction_targets)]
         compression = torch.zeros(())
         for index, (final, fraction_target) in enumerate(zip(config.ratios, batch_targets)):
