@@ -54,7 +54,8 @@ def evaluate(
     threads_by_problem: dict[int, list] = defaultdict(list)
     for thread in generation.threads:
         threads_by_problem[thread.problem_index].append(thread)
-    records = [problem_record(problem, threads_by_problem[index], vote=options.vote) for index, problem in enumerate(problems)]
+    records = [problem_record(problem, threads_by_problem[index], vote=options.vote)
+               for index, problem in enumerate(problems)]
     return {
         "method": method,
         **summarize(records, generation.tokens_generated, generation.elapsed_s),

@@ -49,9 +49,11 @@ class Prepared:
 
 
 class SolveService:
-    def __init__(self, pool, tokenizer, profiles: list[str | Path | CalibrationProfile] | None = None, checkpointer=None):
+    def __init__(self, pool, tokenizer, profiles: list[str | Path | CalibrationProfile] | None = None, checkpointer=None,
+                 vote: str = "majority"):
         """``profiles``: the controller's calibration profiles, at most one per task family (default: those beside
-        the served model, ``calibration-<task>.json``)."""
+        the served model, ``calibration-<task>.json``); ``vote``: how its controllers combine a task's threads
+        (``policies.voting.VOTES``)."""
         self.pool, self.tokenizer = pool, tokenizer
         self.info = pool.info()
         self.settings = get_settings()
@@ -64,7 +66,7 @@ class SolveService:
         self.controllers = {
             task: Controller(pool, profile, self.budget_model.kv_bytes_per_token,
                              sorted(set(self.ratios) & {e.cr for e in profile.entries}), checkpointer=checkpointer,
-                             budget_model=self.budget_model, allocators=allocators)
+                             budget_model=self.budget_model, allocators=allocators, weighting=vote)
             for task, profile in self.profiles.items()}
 
     def _load_profiles(self, given: list[str | Path | CalibrationProfile] | None) -> dict[str, CalibrationProfile]:

@@ -99,10 +99,10 @@ def cmd_eval(args, parser) -> int:
     return 0
 
 
-def make_service(args, parser, problems: list[dict], model_dir, pool):
-    """The solve service whose controller ``eval --controller`` and ``bench controller`` score, checked before any
-    work: the profile exists and the pool (``--kv-budget`` rounded down to whole KV slots, what each request asks
-    for) holds a thread of the longest problem."""
+def make_service(args, parser, problems: list[dict], model_dir, pool, vote: str = "majority"):
+    """The solve service whose controller ``eval --controller`` and ``bench controller`` score (its threads combined
+    by ``vote``), checked before any work: the profile exists and the pool (``--kv-budget`` rounded down to whole KV
+    slots, what each request asks for) holds a thread of the longest problem."""
     from transformers import AutoTokenizer
 
     from orchestrator.schemas import SolveRequest
@@ -113,7 +113,7 @@ def make_service(args, parser, problems: list[dict], model_dir, pool):
         parser.error(f"argument --profile: no calibration profile at {args.profile} (run thinkpool calibrate)")
     try:
         service = SolveService(pool, AutoTokenizer.from_pretrained(model_dir, local_files_only=True),
-                               [args.profile] if args.profile is not None else None)
+                               [args.profile] if args.profile is not None else None, vote=vote)
         longest = max(problems, key=lambda p: len(p["prompt"]))
         service.check(SolveRequest(prompt=longest["prompt"], task=longest.get("task"),
                                    answer_pattern=longest.get("answer_pattern"), samples="auto", mode="controller",
@@ -144,9 +144,7 @@ def eval_controller(args, parser, problems: list[dict], model_dir, options) -> i
     if args.kv_budget is None:
         parser.error("argument --controller: needs --kv-budget (the memory each problem's threads may hold)")
     pool = make_pool(model_dir, args.kv_budget, args.workers)
-    service = make_service(args, parser, problems, model_dir, pool)
-    for controller in service.controllers.values():
-        controller.weighting = options.vote
+    service = make_service(args, parser, problems, model_dir, pool, options.vote)
     report = asyncio.run(run_controller(problems, service, service.info["kv_budget_bytes"], args.max_threads,
                                         options.seed))
     pool.shutdown()
