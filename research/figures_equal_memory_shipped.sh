@@ -5,7 +5,8 @@
 # 8x at 0.5, vanilla at 0.8.
 # Resumable: the problems run in chunks of $CHUNK, and a chunk whose kept threads exist is skipped, so a stopped run
 # picks up where it left off. The two sides are independent: run SIDE=vanilla and SIDE=dms side by side, one per core,
-# then SIDE=summary pairs them (research/paired_gain.py) and plots the vote curves.
+# then SIDE=summary pairs them (research/paired_gain.py) and plots the vote curves. FROM and TO bound the problems a
+# run takes (chunk-aligned), so one side can also be split over two cores: FROM=0 TO=75 beside FROM=75.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-docs/results/shipped_pair}
@@ -13,6 +14,8 @@ BASE=${BASE:-checkpoints/chain-qwen3-base}
 DMS=${DMS:-checkpoints/chain-qwen3}
 N=${N:-300}
 CHUNK=${CHUNK:-25}
+FROM=${FROM:-0}
+TO=${TO:-$N}
 SEED=${SEED:-4201}
 BUDGET=${BUDGET:-13.5MB}
 SIDE=${SIDE:?SIDE=vanilla, dms or summary}
@@ -25,7 +28,7 @@ PROBLEMS=runs/equal_memory/$TAG.jsonl
 run_side() {  # name, then the eval's model and sampling arguments
   local name=$1; shift
   local start
-  for ((start = 0; start < N; start += CHUNK)); do
+  for ((start = FROM; start < TO; start += CHUNK)); do
     local part=runs/equal_memory/${TAG}_${name}_$start
     [ -f "$part.threads.jsonl" ] && continue
     sed -n "$((start + 1)),$((start + CHUNK))p" "$PROBLEMS" > "$part.problems.jsonl"
@@ -34,7 +37,6 @@ run_side() {  # name, then the eval's model and sampling arguments
       --workers 0 --json --output "$part.partial.jsonl" > "$part.json"
     mv "$part.partial.jsonl" "$part.threads.jsonl"  # only a finished chunk counts
   done
-  cat runs/equal_memory/${TAG}_${name}_*.threads.jsonl > "runs/equal_memory/${TAG}_$name.jsonl"
 }
 
 case "$SIDE" in
@@ -43,6 +45,12 @@ case "$SIDE" in
   summary)
     V=runs/equal_memory/${TAG}_vanilla_T0.8.jsonl
     D=runs/equal_memory/${TAG}_cr8_T0.5.jsonl
+    for side in vanilla_T0.8 cr8_T0.5; do  # every chunk must be done: the pairing is over all N problems
+      for ((start = 0; start < N; start += CHUNK)); do
+        [ -f "runs/equal_memory/${TAG}_${side}_$start.threads.jsonl" ] || { echo "$side: chunk $start not done" >&2; exit 1; }
+      done
+      cat runs/equal_memory/${TAG}_${side}_*.threads.jsonl > "runs/equal_memory/${TAG}_$side.jsonl"
+    done
     .venv/bin/python research/paired_gain.py "$N hard (k 16..20, seed $SEED)=$D,$V" \
       --names "8x, T0.5" "vanilla, T0.8" --plot "$OUT/equal_memory_${TAG}_gain.png" > "$OUT/equal_memory_${TAG}_paired.json"
     .venv/bin/python research/vote_curve.py "8x T0.5=$D" "vanilla T0.8=$V" \

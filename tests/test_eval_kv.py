@@ -11,6 +11,7 @@ from transformers import Qwen3Config, Qwen3ForCausalLM
 from dms_runtime.adapters import save_adapter
 from dms_runtime.config import DMSConfig
 from dms_runtime.gates import build_gates
+from evaluation.scoring import realized_cr_by_length
 from tasks.chain_tokenizer import build_tokenizer
 
 
@@ -49,6 +50,9 @@ def test_eval_compares_vanilla_dms_and_a_press(tiny_dir, easy_file, tmp_path):
     assert runs["dms-2x"]["realized_cr"] > 1.3
     assert 3.0 < runs["window-4x"]["realized_cr"] <= 4.5
     assert runs["dms-2x"]["kv_peak_bytes"] < runs["vanilla"]["kv_peak_bytes"]
+    bands = runs["dms-2x"]["realized_cr_by_length"]  # every thread in one band, the bands averaging to the whole
+    assert sum(b["threads"] for b in bands.values()) == 4
+    assert sum(b["threads"] * b["realized_cr"] for b in bands.values()) / 4 == pytest.approx(runs["dms-2x"]["realized_cr"], abs=0.01)
     assert plot.read_bytes()[:4] == b"\x89PNG"
 
 
@@ -57,3 +61,12 @@ def test_missing_adapter_and_unknown_press_are_refused_before_work(tiny_dir, eas
     assert done.returncode == 2 and "argument --cr: no DMS adapter for 8x" in done.stderr
     done = run("eval", "--model", str(tiny_dir), "--problems", str(easy_file), "--press", "lru", "--compression", "4")
     assert done.returncode == 2 and "argument --press: unknown press 'lru'" in done.stderr
+
+
+def test_realized_ratio_is_reported_per_length_band_in_order():
+    threads = [{"tokens": 40, "realized_cr": 1.5}, {"tokens": 900, "realized_cr": 9.0}, {"tokens": 127, "realized_cr": 2.5},
+               {"tokens": 2000, "realized_cr": 12.0}, {"tokens": 128, "realized_cr": 3.0}]
+    bands = realized_cr_by_length([{"threads": threads[:2]}, {"threads": threads[2:]}])
+    assert list(bands) == ["0-127", "128-255", "512-1023", "1024+"]
+    assert bands["0-127"] == {"threads": 2, "realized_cr": 2.0} and bands["1024+"]["realized_cr"] == 12.0
+    assert realized_cr_by_length([{"threads": [{"answer": "1", "tokens": 50}]}]) == {}  # records from before the field
