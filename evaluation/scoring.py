@@ -60,6 +60,7 @@ def evaluate(
         "method": method,
         **summarize(records, generation.tokens_generated, generation.elapsed_s),
         "realized_cr": generation.realized_cr,
+        "realized_cr_by_length": realized_cr_by_length(records),
         "kv_peak_bytes": generation.kv_peak_bytes,
         "samples_per_problem": options.samples,
         "config": {
@@ -132,7 +133,6 @@ def summarize(records: list[dict], tokens_generated: int, elapsed_s: float) -> d
         "mean_thread_accuracy": sum(r["thread_accuracy"] for r in records) / len(records),
         "accuracy_by_k": {str(k): sum(v) / len(v) for k, v in sorted(by_k.items())},
         "n_by_k": {str(k): len(v) for k, v in sorted(by_k.items())},
-        "realized_cr_by_length": realized_cr_by_length(records),
         "tokens_generated": tokens_generated,
         "elapsed_s": round(elapsed_s, 3),
         "tokens_per_s": tokens_generated / elapsed_s if elapsed_s > 0 else 0.0,
@@ -196,6 +196,7 @@ async def evaluate_on_pool(
         "method": method,
         **summarize(records, sum(t.tokens for t in threads), elapsed),
         "realized_cr": sum(t.realized_cr for t in threads) / max(1, len(threads)),
+        "realized_cr_by_length": realized_cr_by_length(records),
         "kv_cr": sum(t.kv_cr for t in threads) / max(1, len(threads)),
         "kv_peak_bytes": max(s.pool_peak_bytes for s in stats),
         "kv_budget_bytes": info["kv_budget_bytes"],
