@@ -61,9 +61,11 @@ case "$SIDE" in
         > "$OUT/equal_memory_${TAG}_${side}_aggregations.json"
     done
     for side in vanilla_T0.8 cr8_T0.5; do  # the chunks' summaries, merged (threads, compression, time)
-      .venv/bin/python - "$OUT/equal_memory_${TAG}_$side.json" runs/equal_memory/${TAG}_${side}_*.json <<'EOF'
+      .venv/bin/python - "$OUT/equal_memory_${TAG}_$side.json" "runs/equal_memory/${TAG}_$side.jsonl" \
+        runs/equal_memory/${TAG}_${side}_*.json <<'EOF'
 import json, sys
-parts = [json.load(open(p)) for p in sys.argv[2:]]
+from evaluation.scoring import realized_cr_by_length
+parts = [json.load(open(p)) for p in sys.argv[3:]]
 n = sum(p["n"] for p in parts)
 mean = lambda key: sum(p[key] * p["n"] for p in parts) / n
 merged = {"method": parts[0]["method"], "n": n, "chunks": len(parts), "accuracy": mean("accuracy"),
@@ -72,14 +74,7 @@ merged = {"method": parts[0]["method"], "n": n, "chunks": len(parts), "accuracy"
           "kv_peak_bytes": max(p["kv_peak_bytes"] for p in parts), "kv_budget_bytes": parts[0]["kv_budget_bytes"],
           "tokens_generated": sum(p["tokens_generated"] for p in parts), "elapsed_s": sum(p["elapsed_s"] for p in parts),
           "preemptions": sum(p["preemptions"] for p in parts), "config": parts[0]["config"]}
-bands = {}  # the realized ratio per thread-length band, over every chunk's threads
-for part in parts:
-    for band, row in part.get("realized_cr_by_length", {}).items():
-        total = bands.setdefault(band, {"threads": 0, "sum": 0.0})
-        total["threads"] += row["threads"]
-        total["sum"] += row["threads"] * row["realized_cr"]
-merged["realized_cr_by_length"] = {band: {"threads": t["threads"], "realized_cr": round(t["sum"] / t["threads"], 3)}
-                                   for band, t in bands.items()}
+merged["realized_cr_by_length"] = realized_cr_by_length([json.loads(line) for line in open(sys.argv[2])])
 json.dump(merged, open(sys.argv[1], "w"), indent=1)
 EOF
     done ;;

@@ -97,7 +97,7 @@ def cmd_eval(args, parser) -> int:
             for k, accuracy in report["accuracy_by_k"].items():
                 print(f"  k={k:>2}  {accuracy:.3f}  (n={report['n_by_k'][k]})")
             if report["realized_cr"] != 1.0:  # what a thread of each length kept (tokens generated)
-                for band, row in report.get("realized_cr_by_length", {}).items():
+                for band, row in report["realized_cr_by_length"].items():
                     print(f"  {band:>9} tokens  realized_cr={row['realized_cr']:.2f}  (threads={row['threads']})")
     return 0
 
