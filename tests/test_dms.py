@@ -498,31 +498,3 @@ def test_supervised_role_gates_keep_long_lived_tokens_rather_than_scratch(tmp_pa
     rate = lambda tokens: evicted[:, tokens[:, None, :].expand(-1, evicted.shape[2], -1)].mean().item()
     assert rate(old & long_lived) < rate(old & ~long_lived) - 0.3  # roles, learnt from a token's context
     assert read_adapter_metadata(written[0])["long_lived_pairs"] == 2  # both pairs of layer 1 keep them
-
-
-def test_prompt_role_gates_keep_the_prompt_rather_than_the_thinking(tmp_path):
-    """The task-agnostic role labels: the prompt is the long-lived set, so the gates keep it and evict the
-    chain of thought, from nothing but where the prompt ends."""
-    import random
-
-    from training.chain_data import difficulty_batch
-    from training.gate_labels import left_window_mask
-    from training.retrofit import RetrofitConfig, retrofit
-    from tasks.chain_tokenizer import build_tokenizer
-
-    tokenizer = build_tokenizer()
-    tiny("qwen3").save_pretrained(tmp_path / "base")
-    tokenizer.save_pretrained(tmp_path / "base")
-    config = RetrofitConfig(model=str(tmp_path / "base"), ratios=[4], ramp_steps=1, hold_steps=4, warmstart_steps=60,
-                            warmstart_lr=0.003, warmstart_labels="prompt_roles", gate_supervision=0.5,
-                            tokens_per_batch=400, k_min=3, k_max=4, window=4, full_finetune=True)
-    written = retrofit(config, quiet=True)
-    batch = difficulty_batch(tokenizer, random.Random(3), 4, 4, 800)
-    alphas, dms = inference_decisions(tmp_path / "base-dms", written[0], batch)
-    evicted = alphas[1:]
-    old = left_window_mask(batch.lengths, evicted.shape[-1], dms.window)
-    prompt = batch.prompt_mask
-    assert (prompt & old).any() and (~prompt & old).any()
-    rate = lambda tokens: evicted[:, tokens[:, None, :].expand(-1, evicted.shape[2], -1)].mean().item()
-    assert rate(old & prompt) < rate(old & ~prompt) - 0.3
-    assert read_adapter_metadata(written[0])["long_lived_pairs"] >= 1

@@ -156,25 +156,6 @@ def test_role_labels_need_the_chain_task(tmp_path, model_dir, problems, capsys):
     assert not (tmp_path / "out").exists()  # refused before anything ran
 
 
-def test_prompt_role_labels_plan_over_the_lengths_of_a_problem_files_completions(tmp_path, model_dir, problems):
-    """``prompt_roles`` needs nothing of the chain task: its plan reads the prompts of the user's own completions,
-    from batches that span their lengths, and every ratio records how many pairs keep the prompt whole."""
-    out = tmp_path / "out"
-    assert retrofit_cli("--config", recipe(tmp_path, warmstart_labels="prompt_roles", gate_supervision=0.1),
-                        "--model", model_dir, "--problems", problems, "--output", out) == 0
-    pairs = [read_adapter_metadata(out / f"dms-{ratio}x.safetensors")["long_lived_pairs"] for ratio in (2, 4)]
-    assert pairs[0] >= pairs[1] >= 0  # the stronger ratio can afford no more whole prompts than the weaker
-    completions = read_cache(out / CACHE_NAME)
-    text = training_text(RetrofitConfig(problems=str(problems), tokens_per_batch=10), load_model(model_dir)[1],
-                         completions)
-    batches = text.calibration_batches(3)
-    assert [int(b.lengths.max()) for b in batches] == sorted(text.lengths())  # one a batch, shortest to longest
-    for batch in batches:
-        prompt_len = int(batch.prompt_mask[0].sum())
-        assert batch.prompt_mask[0, :prompt_len].all()
-        assert (batch.labels[0, :prompt_len] == IGNORE).all() and batch.labels[0, prompt_len] != IGNORE
-
-
 def test_bad_problem_files_and_options_are_named(tmp_path, model_dir, problems, capsys):
     duplicate = tmp_path / "dup.jsonl"
     duplicate.write_text(problems.read_text() + json.dumps({"id": "p0", "prompt": "again"}) + "\n")

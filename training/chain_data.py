@@ -40,12 +40,6 @@ class Batch:
         mask[:, :-1] = self.labels[:, 1:] != IGNORE
         return mask
 
-    @property
-    def prompt_mask(self) -> torch.Tensor:
-        """[n, L] bool: the prompt's tokens (not the completion, not the padding)."""
-        positions = torch.arange(self.labels.shape[1])[None, :]
-        return (self.labels == IGNORE) & (positions < self.lengths[:, None])
-
 
 def difficulty_batch(tokenizer, rng: random.Random, k_min: int, k_max: int, tokens: int,
                      any_order: bool = False, reversed_minus: bool = False) -> Batch:

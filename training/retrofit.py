@@ -113,9 +113,8 @@ class RetrofitConfig(BaseModel):
     # (on the shipped model most heads attend diffusely, and per-head labels follow that noise).
     # cot_roles: tokens of the chain of thought's long-lived regions (prompt, registers) are kept whole in as
     # many (layer, head) pairs as each ratio allows, the rest by far attention (training.gate_labels.RoleLabels);
-    # only for models trained on the chain task. prompt_roles: the same plan with the prompt as the long-lived
-    # set, which every task has (a question is read until the answer; the thinking decides what else stays).
-    warmstart_labels: Literal["per_head", "per_token", "cot_roles", "prompt_roles"] = "per_head"
+    # only for models trained on the chain task.
+    warmstart_labels: Literal["per_head", "per_token", "cot_roles"] = "per_head"
     # After the warm start, train only the weights (full fine-tuning) under the warm-started gates' decisions:
     # measured on the shipped model, KL through the straight-through estimator moves the gates away from what
     # the warm start found faster than it improves them.
@@ -314,7 +313,7 @@ def gate_label_loss(config: RetrofitConfig, tokenizer, batch, far: list[torch.Te
     """The warm start's objective on one batch: binary cross-entropy of every ratio's decision logits (its
     rows) against its labels (``roles``' when given, else far attention at ``fractions``), and each ratio's
     agreement with them. ``labelled`` accumulates, per ratio, the evicted and eligible counts of the labels."""
-    scores = roles.scores(far, long_lived(config, tokenizer, batch)) if roles is not None else None
+    scores = roles.scores(far, long_lived_mask(tokenizer, batch)) if roles is not None else None
     loss = torch.zeros((), device=decisions[0].device)
     shown = {}
     for index, (final, fraction) in enumerate(zip(config.ratios, fractions)):
@@ -336,24 +335,15 @@ def gate_label_loss(config: RetrofitConfig, tokenizer, batch, far: list[torch.Te
     return loss, shown
 
 
-ROLE_LABELS = ("cot_roles", "prompt_roles")  # the warm-start labels planned by training.gate_labels.RoleLabels
-
-
-def long_lived(config: RetrofitConfig, tokenizer, batch: Batch) -> torch.Tensor:
-    """``[n, L]`` bool: the tokens the role labels keep whole: the chain's prompt and register lines
-    (``cot_roles``), or the prompt of any task (``prompt_roles``)."""
-    return long_lived_mask(tokenizer, batch) if config.warmstart_labels == "cot_roles" else batch.prompt_mask
-
-
 @torch.no_grad()
-def plan_role_labels(model, handle, row_gates: nn.ModuleList, config: RetrofitConfig, tokenizer,
-                     text: TrainingText) -> RoleLabels:
-    """Role labels' bands and thresholds from the frozen model's far attention on fresh calibration batches
-    that span the text's lengths (the eval's ratio weighs every problem, short or long, the same)."""
+def plan_role_labels(model, handle, row_gates: nn.ModuleList, config: RetrofitConfig, text: ChainText) -> RoleLabels:
+    """Role labels' bands and thresholds from the frozen model's far attention on fresh calibration batches,
+    one per difficulty (the eval's ratio weighs every problem, short or long, the same)."""
     probes = []
-    for batch in text.calibration_batches():
+    for k in range(config.k_min, config.k_max + 1):
+        batch = text.batch(15_485_863 * k, k, k)
         _, far, _ = probe_pass(model, handle, row_gates, batch, len(config.ratios))
-        probes.append(([f.float().cpu() for f in far], long_lived(config, tokenizer, batch), batch.lengths))
+        probes.append(([f.float().cpu() for f in far], long_lived_mask(text.tokenizer, batch), batch.lengths))
     return RoleLabels.plan(probes, config.ratios, config.window)
 
 
@@ -491,16 +481,16 @@ def retrofit(config: RetrofitConfig, steps: int | None = None, quiet: bool = Fal
             model.load_state_dict(state["model"])
         start = state["step"]
     elif config.continue_from:
-        if config.warmstart_labels in ROLE_LABELS:  # planned on the base weights, as the run being continued did
-            roles = plan_role_labels(model, handle, row_gates, config, tokenizer, text)
+        if config.warmstart_labels == "cot_roles":  # planned on the base weights, as the run being continued did
+            roles = plan_role_labels(model, handle, row_gates, config, text)
         start, warm_fractions, label_thresholds = continue_from_export(model, per_ratio, config)
         if roles is not None:
             roles.thresholds = label_thresholds  # what its labels were: the plan repeated on other hardware may round apart
     end = min(config.total_steps, start + steps) if steps is not None else config.total_steps
     lengths = text.lengths()
     label_fractions = [eviction_target(final, dms.window, lengths) for final in config.ratios]  # the labels' targets
-    if config.warmstart_labels in ROLE_LABELS and roles is None:
-        roles = plan_role_labels(model, handle, row_gates, config, tokenizer, text)
+    if config.warmstart_labels == "cot_roles" and roles is None:
+        roles = plan_role_labels(model, handle, row_gates, config, text)
     if start == 0 and config.warmstart_steps:
         warm_fractions = warm_start(model, handle, row_gates, config, tokenizer, text, label_fractions, roles, quiet)
     if config.freeze_gates:

@@ -27,10 +27,6 @@ class TrainingText(Protocol):
         """Example lengths (prompt and completion), the population a ratio's eviction target is averaged over."""
         ...
 
-    def calibration_batches(self) -> list[Batch]:
-        """Fresh batches spanning the text's lengths, each to be weighed alike (the role labels' plan)."""
-        ...
-
 
 @dataclass(frozen=True)
 class ChainText:
@@ -58,10 +54,6 @@ class ChainText:
     def lengths(self) -> list[int]:
         return sample_lengths(self.tokenizer, self.k_min, self.k_max)
 
-    def calibration_batches(self) -> list[Batch]:
-        """One fresh batch per difficulty (eval weighs every problem alike, short or long)."""
-        return [self.batch(15_485_863 * k, k, k) for k in range(self.k_min, self.k_max + 1)]
-
 
 @dataclass(frozen=True)
 class ProblemText:
@@ -83,10 +75,8 @@ class ProblemText:
         return cls(tuple(examples), seed, tokens_per_batch, pad_id)
 
     def batch(self, offset: int) -> Batch:
-        return self.batch_from(random.Random(self.seed * 1_000_003 + offset).randrange(len(self.examples)))
-
-    def batch_from(self, start: int) -> Batch:
-        """The batch that starts at the ``start``-th shortest example."""
+        rng = random.Random(self.seed * 1_000_003 + offset)
+        start = rng.randrange(len(self.examples))
         # from ``start`` towards longer examples, then (past the longest) towards shorter ones from ``start``
         order = list(range(start, len(self.examples))) + list(range(start - 1, -1, -1))
         chosen: list[tuple[list[int], int]] = []
@@ -101,11 +91,6 @@ class ProblemText:
 
     def lengths(self) -> list[int]:
         return [len(ids) for ids, _ in self.examples]
-
-    def calibration_batches(self, count: int = 16) -> list[Batch]:
-        """One batch from each of ``count`` evenly spaced places in the length order: every length weighs alike,
-        as eval weighs every problem alike."""
-        return [self.batch_from(index * len(self.examples) // count) for index in range(count)]
 
 
 def training_text(config, tokenizer, completions: list[Completion] | None = None) -> TrainingText:
