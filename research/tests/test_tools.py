@@ -6,6 +6,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -98,3 +100,27 @@ def test_bench_training_times_every_path_on_one_small_batch():
     assert all(t >= 0 for t in timings)
     # Attention runs in the dtype training's autocast gives it on this CPU.
     assert report["attention_dtype"] == ("bfloat16" if report["cpu_native_bf16"] else "float32")
+
+
+def test_accuracy_by_length_pairs_each_band_with_vanilla_and_bounds_the_mean_ratio(tmp_path):
+    """A short problem both solve and a long one only vanilla solves: the loss lands in the long band, and a long
+    thread's window cap lifts the ceiling to the named ratio while the short one's holds it under."""
+    problems = write_jsonl(tmp_path / "problems.jsonl", [
+        {"id": "short", "prompt": "a=1;b=a+a;?b", "answer": "2", "k": 1},
+        {"id": "long", "prompt": "a=1;b=a+a;?b", "answer": "2", "k": 1}])
+    vanilla = write_jsonl(tmp_path / "vanilla.jsonl", [
+        {"id": "short", "method": "vanilla", "correct": True, "threads": [{"tokens": 40, "realized_cr": 1.0}]},
+        {"id": "long", "method": "vanilla", "correct": True, "threads": [{"tokens": 600, "realized_cr": 1.0}]}])
+    dms = write_jsonl(tmp_path / "dms.jsonl", [
+        {"id": "short", "method": "dms-8x", "correct": True, "threads": [{"tokens": 40, "realized_cr": 1.5}]},
+        {"id": "long", "method": "dms-8x", "correct": False, "threads": [{"tokens": 600, "realized_cr": 12.0}]}])
+    done = tool("accuracy_by_length", "--problems", str(problems), "--model", "checkpoints/chain-qwen3",
+                "--vanilla", str(vanilla), "--dms", str(dms), "--window", "32")
+    assert done.returncode == 0, done.stderr
+    report = json.loads(done.stdout)["dms-8x"]
+    assert report["bands"]["0-127"] | {"window_cap": 0} == {"problems": 1, "vanilla": 1.0, "dms-8x": 1.0,
+                                                            "realized_cr": 1.5, "window_cap": 0}
+    assert report["bands"]["512-1023"]["dms-8x"] == 0.0 and report["bands"]["512-1023"]["realized_cr"] == 12.0
+    short_cap = report["bands"]["0-127"]["window_cap"]
+    assert 40 / 32 < short_cap < 8 and report["bands"]["512-1023"]["window_cap"] > 8
+    assert report["ceiling"] == pytest.approx((short_cap + 8) / 2, abs=1e-3)
