@@ -2,7 +2,7 @@
 # At equal KV memory, on the shipped pair: the vote of the 8x threads that fit against the vote of vanilla's, on
 # 300 fresh hard problems (k 16..20, seed 4201), a 13.5 MB pool (about four vanilla threads of 1000 tokens),
 # at most 1000 tokens a thread. Temperatures were chosen before this draw, on the 30-problem dev probe (seed 4101):
-# 8x at 0.5, vanilla at 0.8.
+# 8x at 0.5, vanilla at 0.8 (DMS_T and VANILLA_T change them; the sides' file names carry them).
 # Resumable: the problems run in chunks of $CHUNK, and a chunk whose kept threads exist is skipped, so a stopped run
 # picks up where it left off. The two sides are independent: run SIDE=vanilla and SIDE=dms side by side, one per core,
 # then SIDE=summary pairs them (research/paired_gain.py) and plots the vote curves. FROM and TO bound the problems a
@@ -19,6 +19,8 @@ TO=${TO:-$N}
 SEED=${SEED:-4201}
 BUDGET=${BUDGET:-13.5MB}
 SIDE=${SIDE:?SIDE=vanilla, dms or summary}
+DMS_T=${DMS_T:-0.5}
+VANILLA_T=${VANILLA_T:-0.8}
 TAG=hard${N}_$SEED
 TP=.venv/bin/thinkpool
 mkdir -p "$OUT" runs/equal_memory
@@ -40,27 +42,27 @@ run_side() {  # name, then the eval's model and sampling arguments
 }
 
 case "$SIDE" in
-  vanilla) run_side vanilla_T0.8 --model "$BASE" --temperature 0.8 ;;
-  dms) run_side cr8_T0.5 --model "$DMS" --cr 8 --temperature 0.5 ;;
+  vanilla) run_side vanilla_T$VANILLA_T --model "$BASE" --temperature "$VANILLA_T" ;;
+  dms) run_side cr8_T$DMS_T --model "$DMS" --cr 8 --temperature "$DMS_T" ;;
   summary)
-    V=runs/equal_memory/${TAG}_vanilla_T0.8.jsonl
-    D=runs/equal_memory/${TAG}_cr8_T0.5.jsonl
-    for side in vanilla_T0.8 cr8_T0.5; do  # every chunk must be done: the pairing is over all N problems
+    V=runs/equal_memory/${TAG}_vanilla_T$VANILLA_T.jsonl
+    D=runs/equal_memory/${TAG}_cr8_T$DMS_T.jsonl
+    for side in vanilla_T$VANILLA_T cr8_T$DMS_T; do  # every chunk must be done: the pairing is over all N problems
       for ((start = 0; start < N; start += CHUNK)); do
         [ -f "runs/equal_memory/${TAG}_${side}_$start.threads.jsonl" ] || { echo "$side: chunk $start not done" >&2; exit 1; }
       done
       cat runs/equal_memory/${TAG}_${side}_*.threads.jsonl > "runs/equal_memory/${TAG}_$side.jsonl"
     done
     .venv/bin/python research/paired_gain.py "$N hard (k 16..20, seed $SEED)=$D,$V" \
-      --names "8x, T0.5" "vanilla, T0.8" --plot "$OUT/equal_memory_${TAG}_gain.png" > "$OUT/equal_memory_${TAG}_paired.json"
-    .venv/bin/python research/vote_curve.py "8x T0.5=$D" "vanilla T0.8=$V" \
+      --names "8x, T$DMS_T" "vanilla, T$VANILLA_T" --plot "$OUT/equal_memory_${TAG}_gain.png" > "$OUT/equal_memory_${TAG}_paired.json"
+    .venv/bin/python research/vote_curve.py "8x T$DMS_T=$D" "vanilla T$VANILLA_T=$V" \
       --plot "$OUT/equal_memory_${TAG}_vote_curve.png" > "$OUT/equal_memory_${TAG}_vote_curve.json"
-    .venv/bin/python research/vote_agreement.py "8x, T0.5=$D" "vanilla, T0.8=$V" > "$OUT/equal_memory_${TAG}_agreement.json"
-    for side in cr8_T0.5 vanilla_T0.8; do  # the same threads under other votes (majority, confidence-weighted, ...)
+    .venv/bin/python research/vote_agreement.py "8x, T$DMS_T=$D" "vanilla, T$VANILLA_T=$V" > "$OUT/equal_memory_${TAG}_agreement.json"
+    for side in cr8_T$DMS_T vanilla_T$VANILLA_T; do  # the same threads under other votes (majority, confidence-weighted, ...)
       .venv/bin/python research/score_aggregations.py "runs/equal_memory/${TAG}_$side.jsonl" \
         > "$OUT/equal_memory_${TAG}_${side}_aggregations.json"
     done
-    for side in vanilla_T0.8 cr8_T0.5; do  # the chunks' summaries, merged (threads, compression, time)
+    for side in vanilla_T$VANILLA_T cr8_T$DMS_T; do  # the chunks' summaries, merged (threads, compression, time)
       .venv/bin/python - "$OUT/equal_memory_${TAG}_$side.json" "runs/equal_memory/${TAG}_$side.jsonl" \
         runs/equal_memory/${TAG}_${side}_*.json <<'EOF'
 import json, sys
