@@ -2,7 +2,8 @@
 # At equal KV memory, on the shipped pair: the vote of the 8x threads that fit against the vote of vanilla's, on
 # 300 fresh hard problems (k 16..20, seed 4201), a 13.5 MB pool (about four vanilla threads of 1000 tokens),
 # at most 1000 tokens a thread. Temperatures were chosen before this draw, on the 30-problem dev probe (seed 4101):
-# 8x at 0.5, vanilla at 0.8 (DMS_T and VANILLA_T change them; the sides' file names carry them).
+# 8x at 0.5, vanilla at 0.8 (DMS_T and VANILLA_T change them; the sides' thread files carry them, the summary's
+# paired outputs do not: give each pair of temperatures its own OUT).
 # Resumable: the problems run in chunks of $CHUNK, and a chunk whose kept threads exist is skipped, so a stopped run
 # picks up where it left off. The two sides are independent: run SIDE=vanilla and SIDE=dms side by side, one per core,
 # then SIDE=summary pairs them (research/paired_gain.py) and plots the vote curves. FROM and TO bound the problems a
@@ -21,6 +22,8 @@ BUDGET=${BUDGET:-13.5MB}
 SIDE=${SIDE:?SIDE=vanilla, dms or summary}
 DMS_T=${DMS_T:-0.5}
 VANILLA_T=${VANILLA_T:-0.8}
+DSIDE=cr8_T$DMS_T  # each side's name, in its files' names
+VSIDE=vanilla_T$VANILLA_T
 TAG=hard${N}_$SEED
 TP=.venv/bin/thinkpool
 mkdir -p "$OUT" runs/equal_memory
@@ -42,12 +45,12 @@ run_side() {  # name, then the eval's model and sampling arguments
 }
 
 case "$SIDE" in
-  vanilla) run_side vanilla_T$VANILLA_T --model "$BASE" --temperature "$VANILLA_T" ;;
-  dms) run_side cr8_T$DMS_T --model "$DMS" --cr 8 --temperature "$DMS_T" ;;
+  vanilla) run_side "$VSIDE" --model "$BASE" --temperature "$VANILLA_T" ;;
+  dms) run_side "$DSIDE" --model "$DMS" --cr 8 --temperature "$DMS_T" ;;
   summary)
-    V=runs/equal_memory/${TAG}_vanilla_T$VANILLA_T.jsonl
-    D=runs/equal_memory/${TAG}_cr8_T$DMS_T.jsonl
-    for side in vanilla_T$VANILLA_T cr8_T$DMS_T; do  # every chunk must be done: the pairing is over all N problems
+    V=runs/equal_memory/${TAG}_$VSIDE.jsonl
+    D=runs/equal_memory/${TAG}_$DSIDE.jsonl
+    for side in $VSIDE $DSIDE; do  # every chunk must be done: the pairing is over all N problems
       for ((start = 0; start < N; start += CHUNK)); do
         [ -f "runs/equal_memory/${TAG}_${side}_$start.threads.jsonl" ] || { echo "$side: chunk $start not done" >&2; exit 1; }
       done
@@ -58,11 +61,11 @@ case "$SIDE" in
     .venv/bin/python research/vote_curve.py "8x T$DMS_T=$D" "vanilla T$VANILLA_T=$V" \
       --plot "$OUT/equal_memory_${TAG}_vote_curve.png" > "$OUT/equal_memory_${TAG}_vote_curve.json"
     .venv/bin/python research/vote_agreement.py "8x, T$DMS_T=$D" "vanilla, T$VANILLA_T=$V" > "$OUT/equal_memory_${TAG}_agreement.json"
-    for side in cr8_T$DMS_T vanilla_T$VANILLA_T; do  # the same threads under other votes (majority, confidence-weighted, ...)
+    for side in $DSIDE $VSIDE; do  # the same threads under other votes (majority, confidence-weighted, ...)
       .venv/bin/python research/score_aggregations.py "runs/equal_memory/${TAG}_$side.jsonl" \
         > "$OUT/equal_memory_${TAG}_${side}_aggregations.json"
     done
-    for side in vanilla_T$VANILLA_T cr8_T$DMS_T; do  # the chunks' summaries, merged (threads, compression, time)
+    for side in $VSIDE $DSIDE; do  # the chunks' summaries, merged (threads, compression, time)
       .venv/bin/python - "$OUT/equal_memory_${TAG}_$side.json" "runs/equal_memory/${TAG}_$side.jsonl" \
         runs/equal_memory/${TAG}_${side}_*.json <<'EOF'
 import json, sys
