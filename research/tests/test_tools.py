@@ -124,3 +124,18 @@ def test_accuracy_by_length_pairs_each_band_with_vanilla_and_bounds_the_mean_rat
     short_cap = report["bands"]["0-127"]["window_cap"]
     assert 40 / 32 < short_cap < 8 and report["bands"]["512-1023"]["window_cap"] > 8
     assert report["ceiling"] == pytest.approx((short_cap + 8) / 2, abs=1e-3)
+
+
+@pytest.mark.parametrize("threshold, kept", [(1e9, 1.0), (-1e9, 0.0)])
+def test_kept_by_role_counts_what_the_cache_holds_past_the_window(threshold, kept):
+    """A threshold no gate logit crosses evicts nothing: every role is held whole in every pair; one every logit
+    crosses evicts everything that left the window."""
+    done = tool("kept_by_role", "--model", "checkpoints/chain-qwen3", "--cr", "8", "--k", "3-4", "--n", "2",
+                "--threshold", str(threshold))
+    assert done.returncode == 0, done.stderr
+    report = json.loads(done.stdout)
+    assert report["threshold"] == threshold and report["window"] > 0
+    for role in ("prompt", "register", "scratch"):
+        assert report[f"{role}_kept"] == kept
+        assert all(f == kept for layer in report[f"{role}_kept_by_layer"] for f in layer)
+    assert report["pairs_keeping_long_lived_whole"] == (report["pairs"] if kept else 0)
