@@ -139,3 +139,23 @@ def test_kept_by_role_counts_what_the_cache_holds_past_the_window(threshold, kep
         assert report[f"{role}_kept"] == kept
         assert all(f == kept for layer in report[f"{role}_kept_by_layer"] for f in layer)
     assert report["pairs_keeping_long_lived_whole"] == (report["pairs"] if kept else 0)
+
+
+def test_role_scores_ranks_tokens_by_each_score_against_the_chain_roles():
+    done = tool("role_scores", "--k", "6-8", "--n", "2")
+    assert done.returncode == 0, done.stderr
+    report = json.loads(done.stdout)
+    assert report["chains"] == 2 and report["tokens"] > 0 and 0 < report["long_lived_share"] < 1
+    assert set(report["auc"]) == {"far_attention", "far_reads", "loss_gradient"}
+    assert all(0 <= value <= 1 for value in report["auc"].values())
+    # The frozen model reads a chain's long-lived tokens from afar more than its scratch, by every score.
+    assert all(value > 0.5 for value in report["auc"].values())
+
+
+def test_role_scores_auc_counts_ties_half():
+    sys.path.insert(0, str(ROOT / "research"))
+    from role_scores import auc
+    import torch
+    assert auc(torch.tensor([2.0, 3.0]), torch.tensor([0.0, 1.0])) == 1.0
+    assert auc(torch.tensor([0.0]), torch.tensor([1.0])) == 0.0
+    assert auc(torch.tensor([1.0, 1.0]), torch.tensor([1.0])) == 0.5

@@ -1,0 +1,116 @@
+"""How well task-agnostic token scores find a chain of thought's long-lived tokens (the prompt and the register lines,
+which later lines read long after they are written) among the scratch: the AUC of each score, on reference chains
+read by the frozen model. A score any task can compute that ranks them near-perfectly is a candidate for the
+retrofit's warm-start labels; the far-attention labels the task-agnostic recipe uses score 0.78 here.
+
+    .venv/bin/python research/role_scores.py [--model checkpoints/chain-qwen3-base] [--k 1-20] [--n 48] [--window 32]
+
+Scores, per token that has left the window, the largest over layers 1.. and KV heads (layer 0 cannot tell a token's
+role, ``docs/dms.md``):
+
+- ``far_attention``: the most weight any query more than ``window`` positions later gives it (the current labels);
+- ``far_reads``: how many (layer, query head, far query) give it at least 0.05;
+- ``loss_gradient``: how much the model's loss on the text would rise, to first order, if its far queries saw it
+  less: minus the gradient of the loss with respect to an additive bias on its scores from those queries, which is
+  the signal a DMS gate learns from when nothing is evicted yet (attention weighted by what the value changes).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+
+import torch
+import torch.nn.functional as F
+from transformers import AttentionInterface
+
+from dms_runtime.attention import _base_mask, _explicit_attention
+from dms_runtime.loading import load_model
+from tasks.chain import generate_problem
+from training.chain_data import IGNORE, LONG_LIVED, encode_example, pad_examples, token_regions
+
+READ_WEIGHT = 0.05
+
+
+class Probe:
+    """Per layer: a zero bias on every (KV head, key) that far queries add to their scores, and what was seen."""
+
+    def __init__(self, window: int):
+        self.window = window
+        self.bias: dict[int, torch.Tensor] = {}
+        self.far_max: dict[int, torch.Tensor] = {}
+        self.far_reads: dict[int, torch.Tensor] = {}
+
+    def attention(self, module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
+        q_len, k_len = query.shape[2], key.shape[2]
+        allowed = _base_mask(attention_mask, q_len, k_len, query.device)
+        query_pos = torch.arange(k_len - q_len, k_len)[:, None]
+        beyond = (query_pos - torch.arange(k_len)[None, :]) > self.window  # [q, k]
+        bias = torch.zeros(key.shape[0], key.shape[1], k_len, requires_grad=True)  # [B, kv_heads, k]
+        self.bias[module.layer_idx] = bias
+        out, probs = _explicit_attention(query, key, value, allowed, scaling, bias[:, :, None, :] * beyond)
+        far = probs.detach() * beyond  # [B, heads, q, k]
+        self.far_max[module.layer_idx] = far.amax(2)  # [B, heads, k]
+        self.far_reads[module.layer_idx] = (far >= READ_WEIGHT).sum(2).float()
+        return out, None
+
+
+def auc(positive: torch.Tensor, negative: torch.Tensor) -> float:
+    """P(a positive outscores a negative), ties counted half (Mann-Whitney)."""
+    greater = (positive[:, None] > negative[None, :]).float().mean()
+    ties = (positive[:, None] == negative[None, :]).float().mean()
+    return float(greater + ties / 2)
+
+
+def role_scores(model_dir: str, k_min: int, k_max: int, n: int, window: int, seed: int) -> dict:
+    model, tokenizer = load_model(model_dir, dtype=torch.float32)
+    probe = Probe(window)
+    AttentionInterface.register("role_probe", probe.attention)
+    model.config._attn_implementation = "role_probe"
+    for parameter in model.parameters():
+        parameter.requires_grad_(False)
+    rng = random.Random(seed)
+    scores: dict[str, list[torch.Tensor]] = {"far_attention": [], "far_reads": [], "loss_gradient": []}
+    long_lived: list[torch.Tensor] = []
+    for _ in range(n):
+        ids, prompt_len = encode_example(tokenizer, generate_problem(rng, rng.randint(k_min, k_max)))
+        batch = pad_examples([(ids, prompt_len)], tokenizer.pad_token_id)
+        logits = model(input_ids=batch.input_ids, use_cache=False).logits.float()
+        labels = batch.labels[0, 1:]
+        F.cross_entropy(logits[0, :-1][labels != IGNORE], labels[labels != IGNORE]).backward()
+        layers = sorted(probe.bias)[1:]  # layer 0 cannot tell a token's role
+        old = torch.arange(len(ids)) < len(ids) - window - 1  # tokens some far query reads
+        per_layer = {
+            "far_attention": [probe.far_max[layer][0].amax(0) for layer in layers],
+            "far_reads": [probe.far_reads[layer][0].sum(0) for layer in layers],
+            "loss_gradient": [(-probe.bias[layer].grad[0]).amax(0) for layer in layers],
+        }
+        scores["far_attention"].append(torch.stack(per_layer["far_attention"]).amax(0)[old])
+        scores["far_reads"].append(torch.stack(per_layer["far_reads"]).sum(0)[old])
+        scores["loss_gradient"].append(torch.stack(per_layer["loss_gradient"]).amax(0)[old])
+        regions = token_regions(tokenizer, ids, batch.labels[0].tolist())
+        long_lived.append(torch.tensor([region in LONG_LIVED for region in regions])[old])
+    roles = torch.cat(long_lived)
+    report = {"model": model_dir, "k": [k_min, k_max], "chains": n, "seed": seed, "window": window,
+              "tokens": int(roles.numel()), "long_lived_share": round(float(roles.float().mean()), 3), "auc": {}}
+    for name, values in scores.items():
+        pooled = torch.cat(values)
+        report["auc"][name] = round(auc(pooled[roles], pooled[~roles]), 3)
+    return report
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default="checkpoints/chain-qwen3-base", help="the frozen model the labels come from")
+    parser.add_argument("--k", default="1-20", help="difficulty range of the reference chains")
+    parser.add_argument("--n", type=int, default=48, help="reference chains read")
+    parser.add_argument("--window", type=int, default=32)
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+    k_min, _, k_max = args.k.partition("-")
+    print(json.dumps(role_scores(args.model, int(k_min), int(k_max or k_min), args.n, args.window, args.seed)))
+
+
+if __name__ == "__main__":
+    main()
