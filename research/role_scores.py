@@ -13,6 +13,11 @@ role, ``docs/dms.md``):
 - ``loss_gradient``: how much the model's loss on the text would rise, to first order, if its far queries saw it
   less: minus the gradient of the loss with respect to an additive bias on its scores from those queries, which is
   the signal a DMS gate learns from when nothing is evicted yet (attention weighted by what the value changes).
+
+A gate reads a token's hidden state, so it can only learn what is linearly readable there. ``readout_auc`` fits a
+linear read-out (logistic regression) of each layer's output hidden state on the first half of the chains and scores
+it on the other half: trained on the far-read labels (each chain's most-read quarter, the labels a gate would be
+given) it says how far a gate could clean up their noise; trained on the true roles it is the ceiling.
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ from tasks.chain import generate_problem
 from training.chain_data import IGNORE, LONG_LIVED, encode_example, pad_examples, token_regions
 
 READ_WEIGHT = 0.05
+READ_LABEL_QUANTILE = 0.75  # the far-read labels: each chain's most-read quarter
 
 
 class Probe:
@@ -63,6 +69,21 @@ def auc(positive: torch.Tensor, negative: torch.Tensor) -> float:
     return float(greater + ties / 2)
 
 
+def linear_readout(features: torch.Tensor, labels: torch.Tensor, held_out: torch.Tensor, steps: int = 300) -> torch.Tensor:
+    """Logits of a logistic regression fitted on (``features``, ``labels``), for ``held_out`` (standardized alike)."""
+    mean, scale = features.mean(0), features.std(0) + 1e-5
+    features, held_out = (features - mean) / scale, (held_out - mean) / scale
+    weight = torch.zeros(features.shape[1], requires_grad=True)
+    bias = torch.zeros(1, requires_grad=True)
+    optimizer = torch.optim.Adam([weight, bias], lr=0.05)
+    for _ in range(steps):
+        optimizer.zero_grad()
+        loss = F.binary_cross_entropy_with_logits(features @ weight + bias, labels.float()) + 1e-3 * weight.pow(2).sum()
+        loss.backward()
+        optimizer.step()
+    return (held_out @ weight + bias).detach()
+
+
 def role_scores(model_dir: str, k_min: int, k_max: int, n: int, window: int, seed: int) -> dict:
     model, tokenizer = load_model(model_dir, dtype=torch.float32)
     probe = Probe(window)
@@ -73,10 +94,12 @@ def role_scores(model_dir: str, k_min: int, k_max: int, n: int, window: int, see
     rng = random.Random(seed)
     scores: dict[str, list[torch.Tensor]] = {"far_attention": [], "far_reads": [], "loss_gradient": []}
     long_lived: list[torch.Tensor] = []
+    hidden: list[list[torch.Tensor]] = []  # per chain, per layer: the old tokens' output hidden states
     for _ in range(n):
         ids, prompt_len = encode_example(tokenizer, generate_problem(rng, rng.randint(k_min, k_max)))
         batch = pad_examples([(ids, prompt_len)], tokenizer.pad_token_id)
-        logits = model(input_ids=batch.input_ids, use_cache=False).logits.float()
+        output = model(input_ids=batch.input_ids, use_cache=False, output_hidden_states=True)
+        logits = output.logits.float()
         labels = batch.labels[0, 1:]
         F.cross_entropy(logits[0, :-1][labels != IGNORE], labels[labels != IGNORE]).backward()
         layers = sorted(probe.bias)[1:]  # layer 0 cannot tell a token's role
@@ -91,13 +114,31 @@ def role_scores(model_dir: str, k_min: int, k_max: int, n: int, window: int, see
         scores["loss_gradient"].append(torch.stack(per_layer["loss_gradient"]).amax(0)[old])
         regions = token_regions(tokenizer, ids, batch.labels[0].tolist())
         long_lived.append(torch.tensor([region in LONG_LIVED for region in regions])[old])
+        hidden.append([state[0].detach()[old] for state in output.hidden_states[1:]])
     roles = torch.cat(long_lived)
     report = {"model": model_dir, "k": [k_min, k_max], "chains": n, "seed": seed, "window": window,
               "tokens": int(roles.numel()), "long_lived_share": round(float(roles.float().mean()), 3), "auc": {}}
     for name, values in scores.items():
         pooled = torch.cat(values)
         report["auc"][name] = round(auc(pooled[roles], pooled[~roles]), 3)
+    report["readout_auc"] = readout_aucs(hidden, scores["far_reads"], long_lived)
     return report
+
+
+def readout_aucs(hidden: list[list[torch.Tensor]], reads: list[torch.Tensor], long_lived: list[torch.Tensor]) -> dict:
+    """Per layer, the held-out AUC (against the roles) of a linear read-out of its hidden state trained on the
+    far-read labels (``from_far_reads``) or on the roles themselves (``from_roles``, the ceiling)."""
+    half = len(hidden) // 2
+    read_labels = [r >= r.quantile(READ_LABEL_QUANTILE) if r.numel() else r.bool() for r in reads]
+    test_roles = torch.cat(long_lived[half:])
+    out: dict[str, list[float]] = {"from_far_reads": [], "from_roles": []}
+    for layer in range(len(hidden[0])):
+        train = torch.cat([chain[layer] for chain in hidden[:half]])
+        test = torch.cat([chain[layer] for chain in hidden[half:]])
+        for name, labels in (("from_far_reads", read_labels), ("from_roles", long_lived)):
+            logits = linear_readout(train, torch.cat(labels[:half]), test)
+            out[name].append(round(auc(logits[test_roles], logits[~test_roles]), 3))
+    return out
 
 
 def main() -> None:

@@ -150,6 +150,10 @@ def test_role_scores_ranks_tokens_by_each_score_against_the_chain_roles():
     assert all(0 <= value <= 1 for value in report["auc"].values())
     # The frozen model reads a chain's long-lived tokens from afar more than its scratch, by every score.
     assert all(value > 0.5 for value in report["auc"].values())
+    readout = report["readout_auc"]  # one held-out AUC per layer, from each kind of label
+    assert set(readout) == {"from_far_reads", "from_roles"}
+    assert len(readout["from_far_reads"]) == len(readout["from_roles"]) >= 2
+    assert all(0 <= value <= 1 for values in readout.values() for value in values)
 
 
 def test_role_scores_auc_counts_ties_half():
