@@ -36,6 +36,7 @@ from tasks.chain import generate_problem
 from training.chain_data import IGNORE, LONG_LIVED, encode_example, pad_examples, token_regions
 
 READ_WEIGHT = 0.05
+HIDDEN = -1e4  # a bias that takes a key out of a softmax
 READ_LABEL_QUANTILE = 0.75  # the far-read labels: each chain's most-read quarter
 
 
@@ -47,13 +48,16 @@ class Probe:
         self.bias: dict[int, torch.Tensor] = {}
         self.far_max: dict[int, torch.Tensor] = {}
         self.far_reads: dict[int, torch.Tensor] = {}
+        self.evicted: torch.Tensor | None = None  # [B, k] bool: keys hidden from far queries in every layer
 
     def attention(self, module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
         q_len, k_len = query.shape[2], key.shape[2]
         allowed = _base_mask(attention_mask, q_len, k_len, query.device)
         query_pos = torch.arange(k_len - q_len, k_len)[:, None]
         beyond = (query_pos - torch.arange(k_len)[None, :]) > self.window  # [q, k]
-        bias = torch.zeros(key.shape[0], key.shape[1], k_len, requires_grad=True)  # [B, kv_heads, k]
+        bias = torch.zeros(key.shape[0], key.shape[1], k_len, requires_grad=self.evicted is None)  # [B, kv_heads, k]
+        if self.evicted is not None:
+            bias = (bias + self.evicted[:, None, :] * HIDDEN).detach()
         self.bias[module.layer_idx] = bias
         out, probs = _explicit_attention(query, key, value, allowed, scaling, bias[:, :, None, :] * beyond)
         far = probs.detach() * beyond  # [B, heads, q, k]
@@ -67,6 +71,32 @@ def auc(positive: torch.Tensor, negative: torch.Tensor) -> float:
     greater = (positive[:, None] > negative[None, :]).float().mean()
     ties = (positive[:, None] == negative[None, :]).float().mean()
     return float(greater + ties / 2)
+
+
+@torch.no_grad()
+def eviction_effect(model, probe: Probe, ids: list[int], labels: torch.Tensor, old: torch.Tensor,
+                    rows: int = 16) -> torch.Tensor:
+    """Per old token: how much the loss on the completion rises when that token alone is hidden from every query
+    more than the window later, in every layer (one teacher-forced pass per token, ``rows`` at a time)."""
+    scored = labels != IGNORE
+    targets = labels.clamp(min=0)
+
+    def losses(evicted: torch.Tensor) -> torch.Tensor:
+        probe.evicted = evicted
+        logits = model(input_ids=torch.tensor([ids] * len(evicted)), use_cache=False).logits.float()[:, :-1]
+        nll = F.cross_entropy(logits.transpose(1, 2), targets[None].expand(len(evicted), -1), reduction="none")
+        return (nll * scored).sum(-1)
+
+    positions = old.nonzero().flatten()
+    base = losses(torch.zeros(1, len(ids), dtype=torch.bool))
+    effects = []
+    for start in range(0, len(positions), rows):
+        chunk = positions[start:start + rows]
+        evicted = torch.zeros(len(chunk), len(ids), dtype=torch.bool)
+        evicted[torch.arange(len(chunk)), chunk] = True
+        effects.append(losses(evicted) - base)
+    probe.evicted = None
+    return torch.cat(effects) if effects else torch.zeros(0)
 
 
 def linear_readout(features: torch.Tensor, labels: torch.Tensor, held_out: torch.Tensor, steps: int = 300) -> torch.Tensor:
@@ -84,7 +114,8 @@ def linear_readout(features: torch.Tensor, labels: torch.Tensor, held_out: torch
     return (held_out @ weight + bias).detach()
 
 
-def role_scores(model_dir: str, k_min: int, k_max: int, n: int, window: int, seed: int) -> dict:
+def role_scores(model_dir: str, k_min: int, k_max: int, n: int, window: int, seed: int,
+                with_eviction_effect: bool = False) -> dict:
     model, tokenizer = load_model(model_dir, dtype=torch.float32)
     probe = Probe(window)
     AttentionInterface.register("role_probe", probe.attention)
@@ -114,6 +145,8 @@ def role_scores(model_dir: str, k_min: int, k_max: int, n: int, window: int, see
         scores["loss_gradient"].append(torch.stack(per_layer["loss_gradient"]).amax(0)[old])
         regions = token_regions(tokenizer, ids, batch.labels[0].tolist())
         long_lived.append(torch.tensor([region in LONG_LIVED for region in regions])[old])
+        if with_eviction_effect:
+            scores.setdefault("eviction_effect", []).append(eviction_effect(model, probe, ids, labels, old))
         hidden.append([state[0].detach()[old] for state in output.hidden_states[1:]])
     roles = torch.cat(long_lived)
     report = {"model": model_dir, "k": [k_min, k_max], "chains": n, "seed": seed, "window": window,
@@ -148,9 +181,12 @@ def main() -> None:
     parser.add_argument("--n", type=int, default=48, help="reference chains read")
     parser.add_argument("--window", type=int, default=32)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--eviction-effect", action="store_true",
+                        help="also score each token by the loss its eviction adds (one pass per token: slow)")
     args = parser.parse_args()
     k_min, _, k_max = args.k.partition("-")
-    print(json.dumps(role_scores(args.model, int(k_min), int(k_max or k_min), args.n, args.window, args.seed)))
+    print(json.dumps(role_scores(args.model, int(k_min), int(k_max or k_min), args.n, args.window, args.seed,
+                                 args.eviction_effect)))
 
 
 if __name__ == "__main__":

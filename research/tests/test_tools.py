@@ -163,3 +163,10 @@ def test_role_scores_auc_counts_ties_half():
     assert auc(torch.tensor([2.0, 3.0]), torch.tensor([0.0, 1.0])) == 1.0
     assert auc(torch.tensor([0.0]), torch.tensor([1.0])) == 0.0
     assert auc(torch.tensor([1.0, 1.0]), torch.tensor([1.0])) == 0.5
+
+
+def test_role_scores_eviction_effect_scores_every_old_token():
+    done = tool("role_scores", "--k", "3-3", "--n", "2", "--eviction-effect", timeout=300)
+    assert done.returncode == 0, done.stderr
+    report = json.loads(done.stdout)
+    assert 0 <= report["auc"]["eviction_effect"] <= 1 and report["tokens"] > 0
