@@ -25,6 +25,7 @@ from dms_runtime.adapters import adapter_path, load_adapter
 from dms_runtime.loading import load_model
 from tasks.chain import generate_problem
 from training.chain_data import encode_example, pad_examples, token_regions
+from training.gate_labels import left_window_mask
 
 WHOLE = 0.95
 ROLES = ("prompt", "register", "scratch")
@@ -43,8 +44,8 @@ def kept_by_role(model_dir: str, cr: float, k_min: int, k_max: int, n: int, seed
         ids, prompt_len = encode_example(tokenizer, generate_problem(rng, rng.randint(k_min, k_max)))
         batch = pad_examples([(ids, prompt_len)], tokenizer.pad_token_id)
         regions = token_regions(tokenizer, ids, batch.labels[0].tolist())
-        role = torch.tensor([ROLES.index(r) if r in ROLES else ROLES.index("scratch") for r in regions])
-        left_window = torch.arange(len(ids)) < len(ids) - window - 1
+        role = torch.tensor([ROLES.index(r) if r in ROLES[:2] else ROLES.index("scratch") for r in regions])
+        left_window = left_window_mask(batch.lengths, len(ids), window)[0]
         cache = handle.new_cache()
         model(input_ids=torch.tensor([ids]), past_key_values=cache, use_cache=True)
         for layer_index, layer in enumerate(cache.layers):

@@ -34,6 +34,7 @@ from dms_runtime.attention import _base_mask, _explicit_attention
 from dms_runtime.loading import load_model
 from tasks.chain import generate_problem
 from training.chain_data import IGNORE, LONG_LIVED, encode_example, pad_examples, token_regions
+from training.gate_labels import left_window_mask
 
 READ_WEIGHT = 0.05
 HIDDEN = -1e4  # a bias that takes a key out of a softmax
@@ -55,9 +56,10 @@ class Probe:
         allowed = _base_mask(attention_mask, q_len, k_len, query.device)
         query_pos = torch.arange(k_len - q_len, k_len)[:, None]
         beyond = (query_pos - torch.arange(k_len)[None, :]) > self.window  # [q, k]
-        bias = torch.zeros(key.shape[0], key.shape[1], k_len, requires_grad=self.evicted is None)  # [B, kv_heads, k]
-        if self.evicted is not None:
-            bias = (bias + self.evicted[:, None, :] * HIDDEN).detach()
+        if self.evicted is not None:  # eviction_effect's passes: only the output matters
+            bias = (self.evicted[:, None, :] * HIDDEN).expand(-1, key.shape[1], -1)
+            return _explicit_attention(query, key, value, allowed, scaling, bias[:, :, None, :] * beyond)[0], None
+        bias = torch.zeros(key.shape[0], key.shape[1], k_len, requires_grad=True)  # [B, kv_heads, k]
         self.bias[module.layer_idx] = bias
         out, probs = _explicit_attention(query, key, value, allowed, scaling, bias[:, :, None, :] * beyond)
         far = probs.detach() * beyond  # [B, heads, q, k]
@@ -134,15 +136,10 @@ def role_scores(model_dir: str, k_min: int, k_max: int, n: int, window: int, see
         labels = batch.labels[0, 1:]
         F.cross_entropy(logits[0, :-1][labels != IGNORE], labels[labels != IGNORE]).backward()
         layers = sorted(probe.bias)[1:]  # layer 0 cannot tell a token's role
-        old = torch.arange(len(ids)) < len(ids) - window - 1  # tokens some far query reads
-        per_layer = {
-            "far_attention": [probe.far_max[layer][0].amax(0) for layer in layers],
-            "far_reads": [probe.far_reads[layer][0].sum(0) for layer in layers],
-            "loss_gradient": [(-probe.bias[layer].grad[0]).amax(0) for layer in layers],
-        }
-        scores["far_attention"].append(torch.stack(per_layer["far_attention"]).amax(0)[old])
-        scores["far_reads"].append(torch.stack(per_layer["far_reads"]).sum(0)[old])
-        scores["loss_gradient"].append(torch.stack(per_layer["loss_gradient"]).amax(0)[old])
+        old = left_window_mask(batch.lengths, len(ids), window)[0]  # tokens some far query reads
+        scores["far_attention"].append(torch.stack([probe.far_max[l][0] for l in layers]).amax((0, 1))[old])
+        scores["far_reads"].append(torch.stack([probe.far_reads[l][0] for l in layers]).sum((0, 1))[old])
+        scores["loss_gradient"].append(torch.stack([-probe.bias[l].grad[0] for l in layers]).amax((0, 1))[old])
         regions = token_regions(tokenizer, ids, batch.labels[0].tolist())
         long_lived.append(torch.tensor([region in LONG_LIVED for region in regions])[old])
         if with_eviction_effect:

@@ -156,8 +156,8 @@ def test_role_scores_ranks_tokens_by_each_score_against_the_chain_roles():
     assert all(0 <= value <= 1 for values in readout.values() for value in values)
 
 
-def test_role_scores_auc_counts_ties_half():
-    sys.path.insert(0, str(ROOT / "research"))
+def test_role_scores_auc_counts_ties_half(monkeypatch):
+    monkeypatch.syspath_prepend(str(ROOT / "research"))
     from role_scores import auc
     import torch
     assert auc(torch.tensor([2.0, 3.0]), torch.tensor([0.0, 1.0])) == 1.0
