@@ -411,9 +411,12 @@ class Controller:
         self._running.add(task_id)
         try:
             snapshot = await self.graph.aget_state(config)
-            if snapshot.values and snapshot.next:  # an interrupted run: continue from the checkpoint
+            # An interrupted run has tasks left in its latest checkpoint: some to run, or all of them finished with
+            # their writes saved but the checkpoint after them not (``snapshot.next`` names only the former). A
+            # finished run has none.
+            if snapshot.tasks:
                 return await self.graph.ainvoke(None, config)
-            if snapshot.values and not snapshot.next:  # already finished
+            if snapshot.values:
                 return snapshot.values
             initial = SolveState(task_id=task_id, prompt=prompt, prompt_ids=list(prompt_ids), seed=seed, k=difficulty,
                                  task_family=task_family, answer_pattern=answer_pattern, stop_strings=list(stop_strings),

@@ -2,6 +2,7 @@
 escalate, budget exhausted) on scripted workers, a real solve, and a real kill-and-resume through Redis."""
 
 import asyncio
+import copy
 import json
 import os
 import signal
@@ -11,6 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
+from langgraph.checkpoint.memory import InMemorySaver
 
 from tasks.chain_tokenizer import build_tokenizer
 from orchestrator.controller import Budget, Controller
@@ -298,6 +300,50 @@ def test_a_killed_controller_resumes_from_redis_without_rerunning_finished_threa
     assert all(chunks.count(c) == 1 for c in saved_chunks)  # saved before the kill: never run again
     assert all(chunks.count(c) <= 2 for c in chunks)
     assert sorted(t["sample"] for t in state["threads"]) == list(range(12))
+
+
+class SaverAtKill(InMemorySaver):
+    """Copies what it holds when asked to save the checkpoint that follows the first chunk's threads: what a
+    controller killed at that moment leaves behind (the chunk's writes saved, the checkpoint after them not)."""
+
+    def __init__(self):
+        super().__init__()
+        self.chunk_saved, self.at_kill = False, None
+
+    def put_writes(self, config, writes, task_id, task_path=""):
+        super().put_writes(config, writes, task_id, task_path)
+        self.chunk_saved |= any(channel == "threads" and value for channel, value in writes)
+
+    def put(self, config, checkpoint, metadata, new_versions):
+        if self.chunk_saved and self.at_kill is None:
+            self.at_kill = InMemorySaver()
+            self.at_kill.storage, self.at_kill.writes, self.at_kill.blobs = map(copy.deepcopy, (self.storage, self.writes, self.blobs))
+        return super().put(config, checkpoint, metadata, new_versions)
+
+
+def test_a_controller_killed_after_a_rounds_last_chunk_but_before_the_next_checkpoint_resumes_the_round():
+    """Every chunk of the round has its writes saved, so no task of the latest checkpoint is left to run; the task is
+    still unfinished, and a restarted controller goes on from those writes instead of returning them as the answer."""
+    hard_only = profile().model_copy(update={"entries": [e.model_copy(update={"threads": 12 if e.threads == 16 else e.threads})
+                                                         for e in profile().entries if e.cr == 1]})
+
+    def solve(pool, saver):
+        controller = Controller(pool, hard_only, KV_PER_TOKEN, [1], threshold=1.01, greedy_first=False, checkpointer=saver)
+        return asyncio.run(controller.solve("task", HARD, ids(HARD), Budget(kv_budget_bytes=10**9, max_threads=12)))
+
+    saver = SaverAtKill()
+    solve(ScriptedPool(lambda i: str(i % 3)), saver)  # never settles: the task runs all 12 threads
+    left = saver.at_kill
+    writes = left.get_tuple({"configurable": {"thread_id": "task"}}).pending_writes
+    assert {t["sample"] for _, channel, threads in writes if channel == "threads" for t in threads} == {0, 1, 2, 3}
+    resumed = ScriptedPool(lambda i: str(i % 3))
+    state = solve(resumed, left)
+    assert [r.samples for r in resumed.requests] == [(4, 5, 6, 7), (8, 9, 10, 11)]  # the saved chunk is not rerun
+    assert state["stop_reason"] == "budget" and sorted(t["sample"] for t in state["threads"]) == list(range(12))
+    again = ScriptedPool(lambda i: str(i % 3))
+    ended = solve(again, left)  # a finished task is returned as it ended, nothing rerun
+    assert not again.requests and (ended["stop_reason"], ended["answer"]) == (state["stop_reason"], state["answer"])
+    assert sorted(t["sample"] for t in ended["threads"]) == list(range(12))
 
 
 def test_allocator_grants_waiting_rounds_by_priority_and_an_oversized_one_alone():
