@@ -60,7 +60,7 @@ class DMSHandle:
             # kvpress wraps every registered attention function and masks the keys listed here; a press
             # used earlier on this model may have left some behind.
             module.masked_key_indices = None
-            if state.mode == "off":
+            if state.mode in ("off", "evict"):
                 return None
             hidden = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
             if state.mode == "probe":  # the model runs without gradients; its gates learn on the side
@@ -90,8 +90,8 @@ class DMSHandle:
         return zero_hook
 
     def set_mode(self, mode: str) -> None:
-        if mode not in ("train", "infer", "probe", "off"):
-            raise ValueError(f"mode must be train, infer, probe or off, got {mode!r}")
+        if mode not in ("train", "infer", "probe", "evict", "off"):
+            raise ValueError(f"mode must be train, infer, probe, evict or off, got {mode!r}")
         for module in self.modules:
             module.dms.mode = mode
             module.dms.logits = module.dms.alpha = module.dms.cache = module.dms.far_attention = None
@@ -104,6 +104,15 @@ class DMSHandle:
             yield self
         finally:
             self.set_mode(previous)
+
+    @contextmanager
+    def evicting(self, evicted: torch.Tensor) -> Iterator["DMSHandle"]:
+        """Forward passes inside hide the keys ``evicted`` marks (``[B, T]`` bool, every layer and KV head alike)
+        from every query more than the window later, as a trained gate's eviction would, with the gates idle."""
+        with self.mode("evict"):
+            for module in self.modules:
+                module.dms.alpha = evicted[:, None, :].float()
+            yield self
 
     def alphas(self) -> list[torch.Tensor]:
         """Training: each layer's straight-through eviction decisions ``[B, decisions, T]`` of the last forward."""

@@ -15,6 +15,9 @@ and find their gate logits (set by a pre-hook, see :mod:`dms_runtime.attach`) on
   KV head and key, the most attention the key receives from any query more than ``w`` positions later
   (:func:`far_attention`): what a key is still needed for once it has left the window. Retrofit uses it
   to warm-start the gates.
+* Evict (``"evict"``): the training attention under an eviction the caller sets (``alpha``: 1 for the keys hidden
+  from queries more than ``w`` positions later), the gates idle: what losing those keys costs the model
+  (:meth:`~dms_runtime.attach.DMSHandle.evicting`).
 """
 
 from __future__ import annotations
@@ -35,12 +38,12 @@ NEG = -1e9
 class LayerState:
     """What one attention module needs from DMS during a forward pass."""
 
-    mode: str = "off"  # "train" | "infer" | "probe" | "off"
+    mode: str = "off"  # "train" | "infer" | "probe" | "evict" | "off"
     window: int = 16
     temperature: float = 0.1
     noise: bool = True  # training: logistic noise on the gates; off gives deterministic decisions
     logits: torch.Tensor | None = None  # [B, T, decisions]: logit at t decides about token t-1
-    alpha: torch.Tensor | None = None  # training: [B, decisions, T] straight-through eviction decisions
+    alpha: torch.Tensor | None = None  # training: [B, decisions, T] straight-through eviction decisions; evict: given
     cache: object | None = None
     far_attention: torch.Tensor | None = None  # probe: [B, kv_heads, T], see far_attention()
     extras: dict = field(default_factory=dict)
@@ -104,6 +107,8 @@ def dms_attention(module, query, key, value, attention_mask, dropout=0.0, scalin
         return _train_attention(module, state, query, key, value, attention_mask, scaling)
     if state.mode == "probe":
         return _probe_attention(module, state, query, key, value, attention_mask, scaling)
+    if state.mode == "evict":
+        return _given_eviction_attention(state, query, key, value, attention_mask, scaling)
     attend = getattr(state.cache, "attend", None)  # the engine's PagedDMSCache reads its pool itself
     if attend is not None:
         return attend(module.layer_idx, query, key, value, scaling), None
@@ -137,6 +142,13 @@ def _train_attention(module, state: LayerState, query, key, value, attention_mas
     allowed = _base_mask(attention_mask, q_len, k_len, query.device)
     attend = evicting_attention if query.device.type == "cpu" else _bias_mask_attention
     return attend(query, key, value, alpha, allowed, state.window, scaling), None
+
+
+def _given_eviction_attention(state: LayerState, query, key, value, attention_mask, scaling):
+    """The training attention under ``state.alpha`` (``[B, decisions | 1, T]``, 0/1), set by the caller."""
+    allowed = _base_mask(attention_mask, query.shape[2], key.shape[2], query.device)
+    attend = evicting_attention if query.device.type == "cpu" else _bias_mask_attention
+    return attend(query, key, value, state.alpha.to(query.dtype), allowed, state.window, scaling), None
 
 
 def _bias_mask_attention(query, key, value, alpha: torch.Tensor, allowed: torch.Tensor, window: int, scaling) -> torch.Tensor:

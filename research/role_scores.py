@@ -10,9 +10,16 @@ role, ``docs/dms.md``):
 
 - ``far_attention``: the most weight any query more than ``window`` positions later gives it (the current labels);
 - ``far_reads``: how many (layer, query head, far query) give it at least 0.05;
+- ``far_copy``: the most weight a far query gives it while about to emit the same token (a copy read: attention
+  a query pays to structure rather than to a value does not count);
 - ``loss_gradient``: how much the model's loss on the text would rise, to first order, if its far queries saw it
   less: minus the gradient of the loss with respect to an additive bias on its scores from those queries, which is
   the signal a DMS gate learns from when nothing is evicted yet (attention weighted by what the value changes).
+
+``--kinds N`` also scores the task-agnostic long-lived set the retrofit can plan (``training.effect_roles``): N
+kinds of token (k-means clusters of one layer's hidden state) found on the first half of the chains, each costed by
+the loss its eviction adds per token hidden; reported are the AUC of that cost on the other half and the precision
+and recall of the long-lived kinds chosen (``kinds``).
 
 A gate reads a token's hidden state, so it can only learn what is linearly readable there. ``readout_auc`` fits a
 linear read-out (logistic regression) of each layer's output hidden state on the first half of the chains and scores
@@ -50,6 +57,8 @@ class Probe:
         self.far_max: dict[int, torch.Tensor] = {}
         self.far_reads: dict[int, torch.Tensor] = {}
         self.evicted: torch.Tensor | None = None  # [B, k] bool: keys hidden from far queries in every layer
+        self.copies: torch.Tensor | None = None  # [B, q, k] bool: key k holds the token query q is about to emit
+        self.far_copy: dict[int, torch.Tensor] = {}
 
     def attention(self, module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
         q_len, k_len = query.shape[2], key.shape[2]
@@ -65,6 +74,8 @@ class Probe:
         far = probs.detach() * beyond  # [B, heads, q, k]
         self.far_max[module.layer_idx] = far.amax(2)  # [B, heads, k]
         self.far_reads[module.layer_idx] = (far >= READ_WEIGHT).sum(2).float()
+        if self.copies is not None:
+            self.far_copy[module.layer_idx] = (far * self.copies[:, None, -q_len:, :k_len]).amax(2)
         return out, None
 
 
@@ -125,12 +136,14 @@ def role_scores(model_dir: str, k_min: int, k_max: int, n: int, window: int, see
     for parameter in model.parameters():
         parameter.requires_grad_(False)
     rng = random.Random(seed)
-    scores: dict[str, list[torch.Tensor]] = {"far_attention": [], "far_reads": [], "loss_gradient": []}
+    scores: dict[str, list[torch.Tensor]] = {"far_attention": [], "far_reads": [], "loss_gradient": [], "far_copy": []}
     long_lived: list[torch.Tensor] = []
     hidden: list[list[torch.Tensor]] = []  # per chain, per layer: the old tokens' output hidden states
     for _ in range(n):
         ids, prompt_len = encode_example(tokenizer, generate_problem(rng, rng.randint(k_min, k_max)))
         batch = pad_examples([(ids, prompt_len)], tokenizer.pad_token_id)
+        token = torch.tensor(ids)
+        probe.copies = (token[None, :] == torch.cat([token[1:], torch.tensor([-1])])[:, None])[None]
         output = model(input_ids=batch.input_ids, use_cache=False, output_hidden_states=True)
         logits = output.logits.float()
         labels = batch.labels[0, 1:]
@@ -139,6 +152,7 @@ def role_scores(model_dir: str, k_min: int, k_max: int, n: int, window: int, see
         old = left_window_mask(batch.lengths, len(ids), window)[0]  # tokens some far query reads
         scores["far_attention"].append(torch.stack([probe.far_max[l][0] for l in layers]).amax((0, 1))[old])
         scores["far_reads"].append(torch.stack([probe.far_reads[l][0] for l in layers]).sum((0, 1))[old])
+        scores["far_copy"].append(torch.stack([probe.far_copy[l][0] for l in layers]).amax((0, 1))[old])
         scores["loss_gradient"].append(torch.stack([-probe.bias[l].grad[0] for l in layers]).amax((0, 1))[old])
         regions = token_regions(tokenizer, ids, batch.labels[0].tolist())
         long_lived.append(torch.tensor([region in LONG_LIVED for region in regions])[old])
@@ -153,6 +167,40 @@ def role_scores(model_dir: str, k_min: int, k_max: int, n: int, window: int, see
         report["auc"][name] = round(auc(pooled[roles], pooled[~roles]), 3)
     report["readout_auc"] = readout_aucs(hidden, scores["far_reads"], long_lived)
     return report
+
+
+def kind_scores(model_dir: str, k_min: int, k_max: int, n: int, window: int, seed: int, kinds: int, layer: int,
+                mass: float, per_batch: int = 4) -> dict:
+    """The effect roles planned on the first half of ``n`` reference chains, scored against the roles on the rest."""
+    from dms_runtime.attach import attach_dms
+    from dms_runtime.config import DMSConfig
+    from dms_runtime.gates import build_gates
+    from training.effect_roles import in_completion, plan_effect_roles
+
+    model, tokenizer = load_model(model_dir, dtype=torch.float32)
+    config = DMSConfig(window=window)
+    handle = attach_dms(model, build_gates(model, config), config)
+    rng = random.Random(seed)
+    examples = [encode_example(tokenizer, generate_problem(rng, rng.randint(k_min, k_max))) for _ in range(n)]
+    half = sorted(examples[: n // 2], key=lambda e: len(e[0]))  # neighbours in length share a batch
+    batches = [pad_examples(half[i:i + per_batch], tokenizer.pad_token_id) for i in range(0, len(half), per_batch)]
+    roles = plan_effect_roles(model, handle, batches, window, layer, kinds, mass, seed)
+    cost, kept, truth = [], [], []
+    with handle.mode("off"), torch.no_grad():
+        for ids, prompt_len in examples[n // 2:]:
+            batch = pad_examples([(ids, prompt_len)], tokenizer.pad_token_id)
+            hidden = model(input_ids=batch.input_ids, use_cache=False, output_hidden_states=True).hidden_states
+            old = left_window_mask(batch.lengths, len(ids), window)[0]
+            of_kind = roles.kinds(hidden[layer + 1], in_completion(batch))[0]
+            cost.append(roles.cost[of_kind][old])
+            kept.append(roles.mask(hidden, batch)[0][old])
+            regions = token_regions(tokenizer, ids, batch.labels[0].tolist())
+            truth.append(torch.tensor([region in LONG_LIVED for region in regions])[old])
+    cost, kept, truth = torch.cat(cost), torch.cat(kept), torch.cat(truth)
+    return {"model": model_dir, "k": [k_min, k_max], "chains": n, "seed": seed, "window": window, "kinds": kinds,
+            "layer": layer, "mass": mass, "auc": round(auc(cost[truth], cost[~truth]), 3),
+            "long_lived_kinds": int(roles.long_lived.sum()), "kept_share": round(float(kept.float().mean()), 3),
+            "precision": round(float(truth[kept].float().mean()), 3), "recall": round(float(kept[truth].float().mean()), 3)}
 
 
 def readout_aucs(hidden: list[list[torch.Tensor]], reads: list[torch.Tensor], long_lived: list[torch.Tensor]) -> dict:
@@ -180,8 +228,15 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--eviction-effect", action="store_true",
                         help="also score each token by the loss its eviction adds (one pass per token: slow)")
+    parser.add_argument("--kinds", type=int, default=0, help="also score the effect roles with this many kinds")
+    parser.add_argument("--layer", type=int, default=3, help="the effect roles' layer")
+    parser.add_argument("--mass", type=float, default=0.8, help="the effect roles' share of the eviction cost")
     args = parser.parse_args()
     k_min, _, k_max = args.k.partition("-")
+    if args.kinds:
+        print(json.dumps(kind_scores(args.model, int(k_min), int(k_max or k_min), args.n, args.window, args.seed,
+                                     args.kinds, args.layer, args.mass)))
+        return
     print(json.dumps(role_scores(args.model, int(k_min), int(k_max or k_min), args.n, args.window, args.seed,
                                  args.eviction_effect)))
 

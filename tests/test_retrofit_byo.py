@@ -23,7 +23,7 @@ from tasks.families import get_family
 from tests.byo_models import ANSWERS, GENERATION, write_model_dir
 from training.chain_data import IGNORE, difficulty_batch, sample_lengths
 from training.completions import CACHE_NAME, calibration_sequences, read_cache
-from training.retrofit import RetrofitConfig, RowGates, chain_batch
+from training.retrofit import RetrofitConfig, RowGates, chain_batch, retrofit
 from training.thresholds import DEFAULT_PROBLEMS, measure_teacher_forced
 from training.retrofit_data import ChainText, ProblemText, training_text
 
@@ -154,6 +154,29 @@ def test_role_labels_need_the_chain_task(tmp_path, model_dir, problems, capsys):
                   "--output", tmp_path / "out")
     assert "warmstart_labels" in err and "cot_roles" in err and "Traceback" not in err
     assert not (tmp_path / "out").exists()  # refused before anything ran
+
+
+def test_effect_roles_plan_a_long_lived_set_on_a_problem_files_completions_and_keep_it_across_a_resume(
+        tmp_path, model_dir, problems):
+    """The role labels without the chain task: the long-lived kinds are found on the model's own completions, the
+    labels keep them whole in some (layer, head) pairs, and a stopped run resumes with the same plan."""
+    from training.gate_labels import RoleLabels
+
+    out = tmp_path / "out"
+    roles_recipe = recipe(tmp_path, warmstart_labels="effect_roles", effect_kinds=4, effect_batches=2, effect_mass=0.5,
+                          gate_supervision=0.5, hold_steps=2, full_finetune=True)
+    config = RetrofitConfig(**yaml.safe_load(roles_recipe.read_text()), model=str(model_dir), problems=str(problems),
+                            output=str(out))
+    assert retrofit(config, steps=2, quiet=True) == []  # stopped: 2 of the 3 steps
+    state = torch.load(next(out.glob("retrofit_state-*.pt")), weights_only=False)
+    planned = RoleLabels.from_state(state["roles"])
+    assert planned.kinds is not None and planned.kinds.long_lived.any() and not planned.kinds.long_lived.all()
+    assert len(planned.kinds.centroids) == 4 and planned.kinds.layer == 1  # the middle of the model's 2 layers
+    written = retrofit(config, quiet=True)  # resumed: the state's plan, not a new one
+    assert [p.name for p in written] == ["dms-2x.safetensors", "dms-4x.safetensors"]
+    resumed = RoleLabels.from_state(torch.load(next(out.glob("retrofit_state-*.pt")), weights_only=False)["roles"])
+    assert torch.equal(resumed.kinds.centroids, planned.kinds.centroids) and resumed.thresholds == planned.thresholds
+    assert all(read_adapter_metadata(path)["long_lived_pairs"] >= 1 for path in written)
 
 
 def test_bad_problem_files_and_options_are_named(tmp_path, model_dir, problems, capsys):

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -105,6 +106,7 @@ class RoleLabels:
 
     bonus: torch.Tensor  # [layers, kv]
     thresholds: list[float]
+    kinds: Any = None  # training.effect_roles.EffectRoles where the long-lived set is planned (else the chain task's)
 
     def scores(self, far: list[torch.Tensor], long_lived: torch.Tensor) -> torch.Tensor:
         """``[layers, B, kv, T]`` keep priorities from per-layer far attention ``[B, kv, T]`` and ``long_lived``
@@ -139,8 +141,12 @@ class RoleLabels:
         return plan
 
     def state(self) -> dict:
-        return {"bonus": self.bonus.tolist(), "thresholds": self.thresholds}
+        return {"bonus": self.bonus.tolist(), "thresholds": self.thresholds,
+                "kinds": self.kinds.state() if self.kinds is not None else None}
 
     @classmethod
     def from_state(cls, state: dict) -> RoleLabels:
-        return cls(torch.tensor(state["bonus"]), list(state["thresholds"]))
+        from training.effect_roles import EffectRoles  # it reads gate_labels' window mask
+
+        kinds = EffectRoles.from_state(state["kinds"]) if state.get("kinds") else None
+        return cls(torch.tensor(state["bonus"]), list(state["thresholds"]), kinds)

@@ -53,6 +53,7 @@ from dms_runtime.attach import attach_dms
 from dms_runtime.attention import shifted_decisions
 from training.base_model import export
 from training.chain_data import Batch, long_lived_mask
+from training.effect_roles import plan_effect_roles
 from training.completions import sample_completions
 from training.retrofit_data import ChainText, TrainingText, training_text
 from dms_runtime.config import DMSConfig
@@ -114,7 +115,14 @@ class RetrofitConfig(BaseModel):
     # cot_roles: tokens of the chain of thought's long-lived regions (prompt, registers) are kept whole in as
     # many (layer, head) pairs as each ratio allows, the rest by far attention (training.gate_labels.RoleLabels);
     # only for models trained on the chain task.
-    warmstart_labels: Literal["per_head", "per_token", "cot_roles"] = "per_head"
+    # effect_roles: the same plan with a long-lived set any task has (training.effect_roles): the kinds of token
+    # (clusters of one layer's hidden state) whose eviction costs the frozen model most per token, measured on
+    # calibration batches of the training text before the warm start.
+    warmstart_labels: Literal["per_head", "per_token", "cot_roles", "effect_roles"] = "per_head"
+    effect_kinds: int = Field(64, ge=2)  # effect_roles: how many kinds of token
+    effect_layer: int | None = Field(None, ge=0)  # effect_roles: whose hidden state tells the kinds (None: the middle layer)
+    effect_mass: float = Field(0.8, gt=0, le=1)  # effect_roles: the share of the eviction cost the long-lived kinds carry
+    effect_batches: int = Field(16, ge=1)  # effect_roles: calibration batches of a problem file's completions
     # After the warm start, train only the weights (full fine-tuning) under the warm-started gates' decisions:
     # measured on the shipped model, KL through the straight-through estimator moves the gates away from what
     # the warm start found faster than it improves them.
@@ -155,7 +163,8 @@ class RetrofitConfig(BaseModel):
             return self
         if self.warmstart_labels == "cot_roles":
             raise ValueError("warmstart_labels: cot_roles labels the roles of the chain task's reference chain of "
-                             "thought; a problem file's completions have none: use per_head or per_token")
+                             "thought; a problem file's completions have none: use effect_roles (found for any "
+                             "task), per_head or per_token")
         return self
 
     @model_validator(mode="after")
@@ -292,28 +301,42 @@ def ratio_logits(decisions: list[torch.Tensor], row_ratio: torch.Tensor, lengths
     return stacked[eligible_mask(stacked, lengths, window) & rows[None, :, None, None]]
 
 
-def probe_pass(model, handle, row_gates: nn.ModuleList, batch, ratios: int) -> tuple[torch.Tensor, list, list]:
-    """The frozen model on ``batch`` in probe mode: each row's ratio index, per-layer far attention and
-    per-layer gate decision logits ``[B, kv, T]`` (with gradients to the gates)."""
+ROLE_LABELS = ("cot_roles", "effect_roles")  # the warm-start labels planned as RoleLabels
+
+
+def long_lived_tokens(roles: RoleLabels, tokenizer, batch: Batch, hidden_states) -> torch.Tensor:
+    """``[B, T]``: a batch's long-lived tokens for the role labels: the effect roles' kinds where they were planned
+    (from the frozen model's ``hidden_states`` on the batch), else the chain task's long-lived regions."""
+    if roles.kinds is not None:
+        return roles.kinds.mask(hidden_states, batch)
+    return long_lived_mask(tokenizer, batch)
+
+
+def probe_pass(model, handle, row_gates: nn.ModuleList, batch, ratios: int,
+               hidden: bool = False) -> tuple[torch.Tensor, list, list, tuple | None]:
+    """The frozen model on ``batch`` in probe mode: each row's ratio index, per-layer far attention,
+    per-layer gate decision logits ``[B, kv, T]`` (with gradients to the gates) and, if asked, its hidden states."""
     device = next(model.parameters()).device
     row_ratio = torch.arange(len(batch.input_ids)) % ratios
     for gates in row_gates:
         gates.row_ratio = row_ratio
     with handle.mode("probe"), autocast(device):
         with torch.no_grad():
-            model(input_ids=batch.input_ids.to(device), use_cache=False)
+            output = model(input_ids=batch.input_ids.to(device), use_cache=False, output_hidden_states=hidden)
         far = handle.far_attentions()
         decisions = [shifted_decisions(module.dms.logits.float()) for module in handle.modules]
-    return row_ratio, far, decisions
+    return row_ratio, far, decisions, output.hidden_states if hidden else None
 
 
-def gate_label_loss(config: RetrofitConfig, tokenizer, batch, far: list[torch.Tensor], decisions: list[torch.Tensor],
-                    row_ratio: torch.Tensor, fractions: list[float], roles: RoleLabels | None = None,
+def gate_label_loss(config: RetrofitConfig, batch, long_lived: torch.Tensor | None, far: list[torch.Tensor],
+                    decisions: list[torch.Tensor], row_ratio: torch.Tensor, fractions: list[float],
+                    roles: RoleLabels | None = None,
                     labelled: list[list[float]] | None = None) -> tuple[torch.Tensor, dict[str, str]]:
     """The warm start's objective on one batch: binary cross-entropy of every ratio's decision logits (its
-    rows) against its labels (``roles``' when given, else far attention at ``fractions``), and each ratio's
-    agreement with them. ``labelled`` accumulates, per ratio, the evicted and eligible counts of the labels."""
-    scores = roles.scores(far, long_lived_mask(tokenizer, batch)) if roles is not None else None
+    rows) against its labels (``roles``' from the batch's ``long_lived`` tokens when given, else far attention at
+    ``fractions``), and each ratio's agreement with them. ``labelled`` accumulates, per ratio, the evicted and
+    eligible counts of the labels."""
+    scores = roles.scores(far, long_lived) if roles is not None else None
     loss = torch.zeros((), device=decisions[0].device)
     shown = {}
     for index, (final, fraction) in enumerate(zip(config.ratios, fractions)):
@@ -336,15 +359,32 @@ def gate_label_loss(config: RetrofitConfig, tokenizer, batch, far: list[torch.Te
 
 
 @torch.no_grad()
-def plan_role_labels(model, handle, row_gates: nn.ModuleList, config: RetrofitConfig, text: ChainText) -> RoleLabels:
-    """Role labels' bands and thresholds from the frozen model's far attention on fresh calibration batches,
-    one per difficulty (the eval's ratio weighs every problem, short or long, the same)."""
+def calibration_batches(config: RetrofitConfig, text: TrainingText) -> list[Batch]:
+    """Fresh batches the role labels are planned on: chain text one per difficulty (the eval's ratio weighs every
+    problem, short or long, the same), a problem file's completions ``effect_batches`` from random places."""
+    if isinstance(text, ChainText):
+        return [text.batch(15_485_863 * k, k, k) for k in range(config.k_min, config.k_max + 1)]
+    return [text.batch(15_485_863 * (index + 1)) for index in range(config.effect_batches)]
+
+
+def plan_role_labels(model, handle, row_gates: nn.ModuleList, config: RetrofitConfig, text: TrainingText,
+                     tokenizer, quiet: bool = True) -> RoleLabels:
+    """Role labels' long-lived set (the effect roles', planned first, or the chain task's regions), bands and
+    thresholds from the frozen model's far attention on calibration batches."""
+    batches = calibration_batches(config, text)
+    kinds = None
+    if config.warmstart_labels == "effect_roles":
+        layer = config.effect_layer if config.effect_layer is not None else len(handle.modules) // 2
+        kinds = plan_effect_roles(model, handle, batches, config.window, layer, config.effect_kinds, config.effect_mass,
+                                  config.seed, quiet)
     probes = []
-    for k in range(config.k_min, config.k_max + 1):
-        batch = text.batch(15_485_863 * k, k, k)
-        _, far, _ = probe_pass(model, handle, row_gates, batch, len(config.ratios))
-        probes.append(([f.float().cpu() for f in far], long_lived_mask(text.tokenizer, batch), batch.lengths))
-    return RoleLabels.plan(probes, config.ratios, config.window)
+    for batch in batches:
+        _, far, _, hidden = probe_pass(model, handle, row_gates, batch, len(config.ratios), hidden=kinds is not None)
+        long_lived = kinds.mask(hidden, batch) if kinds is not None else long_lived_mask(tokenizer, batch)
+        probes.append(([f.float().cpu() for f in far], long_lived.cpu(), batch.lengths))
+    roles = RoleLabels.plan(probes, config.ratios, config.window)
+    roles.kinds = kinds
+    return roles
 
 
 def warm_start(model, handle, row_gates: nn.ModuleList, config: RetrofitConfig, tokenizer, text: TrainingText,
@@ -357,8 +397,10 @@ def warm_start(model, handle, row_gates: nn.ModuleList, config: RetrofitConfig, 
     bar = tqdm(range(config.warmstart_steps), desc="gate warm start", disable=quiet)
     for step in bar:
         batch = text.batch(7_919 * (step + 1))
-        row_ratio, far, decisions = probe_pass(model, handle, row_gates, batch, len(config.ratios))
-        loss, shown = gate_label_loss(config, tokenizer, batch, far, decisions, row_ratio, fractions, roles, labelled)
+        row_ratio, far, decisions, hidden = probe_pass(model, handle, row_gates, batch, len(config.ratios),
+                                                       hidden=roles is not None and roles.kinds is not None)
+        long_lived = long_lived_tokens(roles, tokenizer, batch, hidden) if roles is not None else None
+        loss, shown = gate_label_loss(config, batch, long_lived, far, decisions, row_ratio, fractions, roles, labelled)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         optimizer.step()
@@ -377,7 +419,7 @@ def calibrate_offsets(model, handle, row_gates: nn.ModuleList, config: RetrofitC
     collected: list[list[torch.Tensor]] = [[] for _ in range(ratios)]
     for index in range(batches):
         batch = text.batch(-104_729 * (index + 1))
-        row_ratio, _, decisions = probe_pass(model, handle, row_gates, batch, ratios)
+        row_ratio, _, decisions, _ = probe_pass(model, handle, row_gates, batch, ratios)
         for r in range(ratios):
             collected[r].append(ratio_logits(decisions, row_ratio, batch.lengths, config.window, r).detach().float().cpu())
     for r, fraction in enumerate(fractions):
@@ -481,22 +523,23 @@ def retrofit(config: RetrofitConfig, steps: int | None = None, quiet: bool = Fal
             model.load_state_dict(state["model"])
         start = state["step"]
     elif config.continue_from:
-        if config.warmstart_labels == "cot_roles":  # planned on the base weights, as the run being continued did
-            roles = plan_role_labels(model, handle, row_gates, config, text)
+        if config.warmstart_labels in ROLE_LABELS:  # planned on the base weights, as the run being continued did
+            roles = plan_role_labels(model, handle, row_gates, config, text, tokenizer, quiet)
         start, warm_fractions, label_thresholds = continue_from_export(model, per_ratio, config)
         if roles is not None:
             roles.thresholds = label_thresholds  # what its labels were: the plan repeated on other hardware may round apart
     end = min(config.total_steps, start + steps) if steps is not None else config.total_steps
     lengths = text.lengths()
     label_fractions = [eviction_target(final, dms.window, lengths) for final in config.ratios]  # the labels' targets
-    if config.warmstart_labels == "cot_roles" and roles is None:
-        roles = plan_role_labels(model, handle, row_gates, config, text)
+    if config.warmstart_labels in ROLE_LABELS and roles is None:
+        roles = plan_role_labels(model, handle, row_gates, config, text, tokenizer, quiet)
     if start == 0 and config.warmstart_steps:
         warm_fractions = warm_start(model, handle, row_gates, config, tokenizer, text, label_fractions, roles, quiet)
     if config.freeze_gates:
         row_gates.requires_grad_(False)
     ratios = len(config.ratios)
     anchors = config.full_finetune and config.anchor_rows
+    effect_kinds = supervised and roles is not None and roles.kinds is not None  # the teacher's hidden states tell them
     bar = tqdm(range(start, end), initial=start, total=config.total_steps, desc="retrofit", disable=quiet)
     began = time.perf_counter()
     kl = torch.zeros(())
@@ -511,8 +554,10 @@ def retrofit(config: RetrofitConfig, steps: int | None = None, quiet: bool = Fal
             gates.row_ratio = row_ratio
         with torch.no_grad(), autocast(device), \
                 (teacher_handle.mode("probe") if supervised else handle.mode("off")):
-            teacher_logits = teacher(input_ids=input_ids, use_cache=False).logits
+            taught = teacher(input_ids=input_ids, use_cache=False, output_hidden_states=effect_kinds)
+            teacher_logits = taught.logits
             far = teacher_handle.far_attentions() if supervised else []
+            long_lived = long_lived_tokens(roles, tokenizer, batch, taught.hidden_states) if supervised and roles else None
         handle.set_mode("train")
         with autocast(device):
             student_logits = model(input_ids=input_ids, use_cache=False).logits
@@ -531,7 +576,7 @@ def retrofit(config: RetrofitConfig, steps: int | None = None, quiet: bool = Fal
             # ones): the compression term holds the batch to them rather than to the pooled fraction.
             labelled = [[0.0, 0.0] for _ in config.ratios]
             decisions = [shifted_decisions(module.dms.logits.float()) for module in handle.modules]
-            bce, shown["labels"] = gate_label_loss(config, tokenizer, batch, far, decisions, row_ratio, label_fractions, roles,
+            bce, shown["labels"] = gate_label_loss(config, batch, long_lived, far, decisions, row_ratio, label_fractions, roles,
                                                      labelled)
             batch_targets = [evicted / eligible if eligible else target for (evicted, eligible), target in zip(labelled, fraction_targets)]
         compression = torch.zeros(())

@@ -146,7 +146,7 @@ def test_role_scores_ranks_tokens_by_each_score_against_the_chain_roles():
     assert done.returncode == 0, done.stderr
     report = json.loads(done.stdout)
     assert report["chains"] == 2 and report["tokens"] > 0 and 0 < report["long_lived_share"] < 1
-    assert set(report["auc"]) == {"far_attention", "far_reads", "loss_gradient"}
+    assert set(report["auc"]) == {"far_attention", "far_reads", "loss_gradient", "far_copy"}
     assert all(0 <= value <= 1 for value in report["auc"].values())
     # The frozen model reads a chain's long-lived tokens from afar more than its scratch, by every score.
     assert all(value > 0.5 for value in report["auc"].values())
@@ -154,6 +154,14 @@ def test_role_scores_ranks_tokens_by_each_score_against_the_chain_roles():
     assert set(readout) == {"from_far_reads", "from_roles"}
     assert len(readout["from_far_reads"]) == len(readout["from_roles"]) >= 2
     assert all(0 <= value <= 1 for values in readout.values() for value in values)
+
+
+def test_role_scores_scores_the_effect_roles_planned_on_half_the_chains():
+    done = tool("role_scores", "--k", "6-8", "--n", "4", "--kinds", "8", timeout=300)
+    assert done.returncode == 0, done.stderr
+    report = json.loads(done.stdout)
+    assert report["kinds"] == 8 and report["layer"] == 3 and 1 <= report["long_lived_kinds"] < 8
+    assert all(0 <= report[key] <= 1 for key in ("auc", "kept_share", "precision", "recall"))
 
 
 def test_role_scores_auc_counts_ties_half(monkeypatch):
