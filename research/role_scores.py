@@ -32,6 +32,7 @@ from __future__ import annotations
 import argparse
 import json
 import random
+from collections import Counter
 
 import torch
 import torch.nn.functional as F
@@ -186,6 +187,7 @@ def kind_scores(model_dir: str, k_min: int, k_max: int, n: int, window: int, see
     batches = [pad_examples(half[i:i + per_batch], tokenizer.pad_token_id) for i in range(0, len(half), per_batch)]
     roles = plan_effect_roles(model, handle, batches, window, layer, kinds, mass, seed)
     cost, kept, truth = [], [], []
+    by_kind: dict[int, Counter] = {}  # kind -> the roles' regions of its held-out tokens
     with handle.mode("off"), torch.no_grad():
         for ids, prompt_len in examples[n // 2:]:
             batch = pad_examples([(ids, prompt_len)], tokenizer.pad_token_id)
@@ -196,11 +198,17 @@ def kind_scores(model_dir: str, k_min: int, k_max: int, n: int, window: int, see
             kept.append(roles.mask(hidden, batch)[0][old])
             regions = token_regions(tokenizer, ids, batch.labels[0].tolist())
             truth.append(torch.tensor([region in LONG_LIVED for region in regions])[old])
+            for position in old.nonzero().flatten().tolist():
+                by_kind.setdefault(int(of_kind[position]), Counter())[regions[position]] += 1
     cost, kept, truth = torch.cat(cost), torch.cat(kept), torch.cat(truth)
+    table = [{"kind": kind, "cost": round(float(roles.cost[kind]), 3), "long_lived": bool(roles.long_lived[kind]),
+              "regions": dict(by_kind[kind].most_common(3))}
+             for kind in roles.cost.argsort(descending=True).tolist() if kind in by_kind]
     return {"model": model_dir, "k": [k_min, k_max], "chains": n, "seed": seed, "window": window, "kinds": kinds,
             "layer": layer, "mass": mass, "auc": round(auc(cost[truth], cost[~truth]), 3),
             "long_lived_kinds": int(roles.long_lived.sum()), "kept_share": round(float(kept.float().mean()), 3),
-            "precision": round(float(truth[kept].float().mean()), 3), "recall": round(float(kept[truth].float().mean()), 3)}
+            "precision": round(float(truth[kept].float().mean()), 3), "recall": round(float(kept[truth].float().mean()), 3),
+            "by_kind": table}
 
 
 def readout_aucs(hidden: list[list[torch.Tensor]], reads: list[torch.Tensor], long_lived: list[torch.Tensor]) -> dict:

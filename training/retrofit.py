@@ -17,9 +17,11 @@ rises linearly from 1 over ``ramp_steps``, then holds for ``hold_steps``. Resuma
 Before that, ``warmstart_steps`` steps teach each ratio's gates where to start: the frozen model runs in
 probe mode, which reports for every key how much attention it still gets from queries beyond the
 window; the keys getting the least (a quantile at the ratio's eviction target, pooled over layers and
-heads) are labelled "evict", and the gates learn those labels (binary cross-entropy). Chain-task models
-can use role labels instead (``warmstart_labels: cot_roles``, ``training.gate_labels.RoleLabels``), planned
-once on calibration batches before the warm start. Measured on the
+heads) are labelled "evict", and the gates learn those labels (binary cross-entropy). Role labels
+(``training.gate_labels.RoleLabels``) instead keep a long-lived set of tokens whole in as many (layer, head) pairs
+as each ratio affords, planned once on calibration batches before the warm start: the chain task's long-lived
+regions (``warmstart_labels: cot_roles``, chain-task models only) or, for any task, the kinds of token whose
+eviction costs the frozen model most (``effect_roles``, ``training.effect_roles``). Measured on the
 shipped model, evicting by that rule alone keeps the KL near zero at 2x, whereas gates trained from KL
 alone through the straight-through estimator find it only slowly: its gradient reaches a gate only while
 its logit is near the threshold.

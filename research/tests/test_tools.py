@@ -162,6 +162,8 @@ def test_role_scores_scores_the_effect_roles_planned_on_half_the_chains():
     report = json.loads(done.stdout)
     assert report["kinds"] == 8 and report["layer"] == 3 and 1 <= report["long_lived_kinds"] < 8
     assert all(0 <= report[key] <= 1 for key in ("auc", "kept_share", "precision", "recall"))
+    costs = [row["cost"] for row in report["by_kind"]]  # the kinds met in the held-out chains, costliest first
+    assert costs == sorted(costs, reverse=True) and all(sum(row["regions"].values()) > 0 for row in report["by_kind"])
 
 
 def test_role_scores_auc_counts_ties_half(monkeypatch):
