@@ -160,7 +160,7 @@ def test_effect_roles_plan_a_long_lived_set_on_a_problem_files_completions_and_k
         tmp_path, model_dir, problems):
     """The role labels without the chain task: the long-lived kinds are found on the model's own completions, the
     labels keep them whole in some (layer, head) pairs, and a stopped run resumes with the same plan."""
-    from training.gate_labels import RoleLabels
+    from training.retrofit import restore_role_labels
 
     out = tmp_path / "out"
     roles_recipe = recipe(tmp_path, warmstart_labels="effect_roles", effect_kinds=4, effect_batches=2, effect_mass=0.5,
@@ -169,12 +169,12 @@ def test_effect_roles_plan_a_long_lived_set_on_a_problem_files_completions_and_k
                             output=str(out))
     assert retrofit(config, steps=2, quiet=True) == []  # stopped: 2 of the 3 steps
     state = torch.load(next(out.glob("retrofit_state-*.pt")), weights_only=False)
-    planned = RoleLabels.from_state(state["roles"])
+    planned = restore_role_labels(state["roles"])
     assert planned.kinds is not None and planned.kinds.long_lived.any() and not planned.kinds.long_lived.all()
     assert len(planned.kinds.centroids) == 4 and planned.kinds.layer == 1  # the middle of the model's 2 layers
     written = retrofit(config, quiet=True)  # resumed: the state's plan, not a new one
     assert [p.name for p in written] == ["dms-2x.safetensors", "dms-4x.safetensors"]
-    resumed = RoleLabels.from_state(torch.load(next(out.glob("retrofit_state-*.pt")), weights_only=False)["roles"])
+    resumed = restore_role_labels(torch.load(next(out.glob("retrofit_state-*.pt")), weights_only=False)["roles"])
     assert torch.equal(resumed.kinds.centroids, planned.kinds.centroids) and resumed.thresholds == planned.thresholds
     assert all(read_adapter_metadata(path)["long_lived_pairs"] >= 1 for path in written)
 

@@ -145,8 +145,6 @@ class RoleLabels:
                 "kinds": self.kinds.state() if self.kinds is not None else None}
 
     @classmethod
-    def from_state(cls, state: dict) -> RoleLabels:
-        from training.effect_roles import EffectRoles  # it reads gate_labels' window mask
-
-        kinds = EffectRoles.from_state(state["kinds"]) if state.get("kinds") else None
+    def from_state(cls, state: dict, kinds: Any = None) -> RoleLabels:
+        """``kinds``: the effect roles restored from ``state["kinds"]``, where there are any."""
         return cls(torch.tensor(state["bonus"]), list(state["thresholds"]), kinds)

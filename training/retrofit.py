@@ -55,7 +55,7 @@ from dms_runtime.attach import attach_dms
 from dms_runtime.attention import shifted_decisions
 from training.base_model import export
 from training.chain_data import Batch, long_lived_mask
-from training.effect_roles import plan_effect_roles
+from training.effect_roles import EffectRoles, plan_effect_roles
 from training.completions import sample_completions
 from training.retrofit_data import ChainText, TrainingText, training_text
 from dms_runtime.config import DMSConfig
@@ -361,6 +361,11 @@ def gate_label_loss(config: RetrofitConfig, batch, long_lived: torch.Tensor | No
 
 
 @torch.no_grad()
+def restore_role_labels(saved: dict) -> RoleLabels:
+    """Role labels as a retrofit's state file holds them, their effect roles with them."""
+    return RoleLabels.from_state(saved, EffectRoles.from_state(saved["kinds"]) if saved.get("kinds") else None)
+
+
 def calibration_batches(config: RetrofitConfig, text: TrainingText) -> list[Batch]:
     """Fresh batches the role labels are planned on: chain text one per difficulty (the eval's ratio weighs every
     problem, short or long, the same), a problem file's completions ``effect_batches`` from random places."""
@@ -519,7 +524,7 @@ def retrofit(config: RetrofitConfig, steps: int | None = None, quiet: bool = Fal
         if "offsets" in state:
             set_offsets(per_ratio, state["offsets"])
         warm_fractions = state.get("fractions")
-        roles = RoleLabels.from_state(state["roles"]) if state.get("roles") else None
+        roles = restore_role_labels(state["roles"]) if state.get("roles") else None
         optimizer.load_state_dict(state["optimizer"])
         if config.full_finetune:
             model.load_state_dict(state["model"])
