@@ -119,7 +119,8 @@ class RetrofitConfig(BaseModel):
     # only for models trained on the chain task.
     # effect_roles: the same plan with a long-lived set any task has (training.effect_roles): the kinds of token
     # (clusters of one layer's hidden state) whose eviction costs the frozen model most per token, measured on
-    # calibration batches of the training text before the warm start.
+    # calibration batches of the training text before the warm start. Measured on the chain model it is worse than
+    # per_head at 8x (docs/dms.md, "Kinds whose eviction costs most"): an option under study, not a default.
     warmstart_labels: Literal["per_head", "per_token", "cot_roles", "effect_roles"] = "per_head"
     effect_kinds: int = Field(64, ge=2)  # effect_roles: how many kinds of token
     effect_layer: int | None = Field(None, ge=0)  # effect_roles: whose hidden state tells the kinds (None: the middle layer)
