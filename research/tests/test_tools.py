@@ -166,6 +166,15 @@ def test_role_scores_scores_the_effect_roles_planned_on_half_the_chains():
     assert costs == sorted(costs, reverse=True) and all(sum(row["regions"].values()) > 0 for row in report["by_kind"])
 
 
+def test_forward_kinds_keeps_kinds_until_the_share_and_scores_them_against_the_roles():
+    done = tool("forward_kinds", "--kinds", "6", "--share", "0.05", "--n", "8", timeout=300)
+    assert done.returncode == 0, done.stderr
+    report = json.loads(done.stdout)
+    shares = [row["share"] for row in report["rounds"]]
+    assert shares == sorted(shares) and all(row["gain_per_token"] > 0 for row in report["rounds"])
+    assert 0 <= report["recall"] <= 1 and 0 <= report["kept_share"] <= 1
+
+
 def test_role_scores_auc_counts_ties_half(monkeypatch):
     monkeypatch.syspath_prepend(str(ROOT / "research"))
     from role_scores import auc

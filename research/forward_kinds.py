@@ -1,0 +1,99 @@
+"""Long-lived kinds chosen under eviction: forward selection from everything past the window hidden.
+
+``training.effect_roles`` costs each kind of token with every other token present. This probe asks whether costing
+under the eviction a high ratio makes picks a set closer to the chain roles: starting with every token that has left
+the window hidden (in every layer and head), it keeps, round by round, the kind whose keeping lowers the completions'
+loss most per token, until the kept kinds hold ``--share`` of those tokens. The kinds are the effect roles' (k-means
+of layer ``--layer``'s hidden state, prompt and completion apart), planned on the first quarter of the chains; the
+set is scored against the chain roles on the second half, as ``role_scores.py --kinds`` scores the effect roles.
+
+    .venv/bin/python research/forward_kinds.py [--kinds 32] [--share 0.25] [--n 48]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+
+import torch
+
+from dms_runtime.attach import attach_dms
+from dms_runtime.config import DMSConfig
+from dms_runtime.gates import build_gates
+from dms_runtime.loading import load_model
+from tasks.chain import generate_problem
+from training.chain_data import LONG_LIVED, encode_example, pad_examples, token_regions
+from training.effect_roles import completion_losses, features, in_completion, kmeans, nearest
+from training.gate_labels import left_window_mask
+
+
+@torch.no_grad()
+def forward_kinds(model_dir: str, kinds: int, share: float, n: int, layer: int, window: int, seed: int) -> dict:
+    model, tokenizer = load_model(model_dir, dtype=torch.float32)
+    config = DMSConfig(window=window)
+    handle = attach_dms(model, build_gates(model, config), config)
+    rng = random.Random(seed)
+    examples = [encode_example(tokenizer, generate_problem(rng, rng.randint(1, 20))) for _ in range(n)]
+    planning = sorted(examples[: n // 4], key=lambda e: len(e[0]))
+    batches = [pad_examples(planning[i:i + 4], tokenizer.pad_token_id) for i in range(0, len(planning), 4)]
+    with handle.mode("off"):
+        hidden = [model(input_ids=b.input_ids, output_hidden_states=True).hidden_states[layer + 1] for b in batches]
+    olds = [left_window_mask(b.lengths, b.input_ids.shape[1], window) for b in batches]
+    states = torch.cat([h[old] for h, old in zip(hidden, olds)])
+    mean, scale = states.mean(0), states.std(0) + 1e-5
+    centroids = kmeans(torch.cat([features(h, in_completion(b), mean, scale)[old]
+                                  for h, b, old in zip(hidden, batches, olds)]), kinds, seed=seed)
+    of_kind = [nearest(features(h, in_completion(b), mean, scale), centroids) for h, b in zip(hidden, batches)]
+    counts = sum(torch.bincount(k[old], minlength=kinds).float() for k, old in zip(of_kind, olds))
+
+    def loss_keeping(kept: torch.Tensor) -> float:
+        total = 0.0
+        for batch, k, old in zip(batches, of_kind, olds):
+            with handle.evicting(old & ~kept[k]):
+                total += completion_losses(model(input_ids=batch.input_ids).logits, batch).sum().item()
+        return total
+
+    kept = torch.zeros(kinds, dtype=torch.bool)
+    current, rounds = loss_keeping(kept), []
+    while counts[kept].sum() < share * counts.sum():
+        gains = {j: (current - loss_keeping(kept | (torch.arange(kinds) == j))) / counts[j].item()
+                 for j in range(kinds) if not kept[j] and counts[j] > 0}
+        best = max(gains, key=gains.get, default=None)
+        if best is None or gains[best] <= 0:
+            break
+        kept[best] = True
+        current -= gains[best] * counts[best].item()
+        rounds.append({"kind": best, "gain_per_token": round(gains[best], 3),
+                       "share": round(float(counts[kept].sum() / counts.sum()), 3)})
+    chosen, truth = [], []
+    with handle.mode("off"):
+        for ids, prompt_len in examples[n // 2:]:
+            batch = pad_examples([(ids, prompt_len)], tokenizer.pad_token_id)
+            h = model(input_ids=batch.input_ids, output_hidden_states=True).hidden_states[layer + 1]
+            old = left_window_mask(batch.lengths, len(ids), window)[0]
+            chosen.append(kept[nearest(features(h, in_completion(batch), mean, scale), centroids)[0]][old])
+            regions = token_regions(tokenizer, ids, batch.labels[0].tolist())
+            truth.append(torch.tensor([region in LONG_LIVED for region in regions])[old])
+    chosen, truth = torch.cat(chosen), torch.cat(truth)
+    return {"model": model_dir, "chains": n, "seed": seed, "window": window, "kinds": kinds, "layer": layer,
+            "share": share, "kept_share": round(float(chosen.float().mean()), 3),
+            "precision": round(float(truth[chosen].float().mean()), 3) if chosen.any() else None,
+            "recall": round(float(chosen[truth].float().mean()), 3), "rounds": rounds}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default="checkpoints/chain-qwen3-base")
+    parser.add_argument("--kinds", type=int, default=32)
+    parser.add_argument("--share", type=float, default=0.25, help="stop once the kept kinds hold this share")
+    parser.add_argument("--n", type=int, default=48, help="reference chains: a quarter plans, the last half scores")
+    parser.add_argument("--layer", type=int, default=3)
+    parser.add_argument("--window", type=int, default=32)
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+    print(json.dumps(forward_kinds(args.model, args.kinds, args.share, args.n, args.layer, args.window, args.seed)))
+
+
+if __name__ == "__main__":
+    main()
