@@ -14,29 +14,19 @@ from __future__ import annotations
 
 import argparse
 import json
-import random
 
 import torch
 
-from dms_runtime.attach import attach_dms
-from dms_runtime.config import DMSConfig
-from dms_runtime.gates import build_gates
-from dms_runtime.loading import load_model
-from tasks.chain import generate_problem
-from training.chain_data import LONG_LIVED, encode_example, pad_examples, token_regions
+from role_scores import against_roles, gated_model, held_out_chains, length_batches, long_lived_truth, reference_chains
 from training.effect_roles import completion_losses, features, in_completion, kmeans, nearest
 from training.gate_labels import left_window_mask
 
 
 @torch.no_grad()
 def forward_kinds(model_dir: str, kinds: int, share: float, n: int, layer: int, window: int, seed: int) -> dict:
-    model, tokenizer = load_model(model_dir, dtype=torch.float32)
-    config = DMSConfig(window=window)
-    handle = attach_dms(model, build_gates(model, config), config)
-    rng = random.Random(seed)
-    examples = [encode_example(tokenizer, generate_problem(rng, rng.randint(1, 20))) for _ in range(n)]
-    planning = sorted(examples[: n // 4], key=lambda e: len(e[0]))
-    batches = [pad_examples(planning[i:i + 4], tokenizer.pad_token_id) for i in range(0, len(planning), 4)]
+    model, tokenizer, handle = gated_model(model_dir, window)
+    examples = reference_chains(tokenizer, n, 1, 20, seed)
+    batches = length_batches(tokenizer, examples[: n // 4])
     with handle.mode("off"):
         hidden = [model(input_ids=b.input_ids, output_hidden_states=True).hidden_states[layer + 1] for b in batches]
     olds = [left_window_mask(b.lengths, b.input_ids.shape[1], window) for b in batches]
@@ -67,19 +57,11 @@ def forward_kinds(model_dir: str, kinds: int, share: float, n: int, layer: int, 
         rounds.append({"kind": best, "gain_per_token": round(gains[best], 3),
                        "share": round(float(counts[kept].sum() / counts.sum()), 3)})
     chosen, truth = [], []
-    with handle.mode("off"):
-        for ids, prompt_len in examples[n // 2:]:
-            batch = pad_examples([(ids, prompt_len)], tokenizer.pad_token_id)
-            h = model(input_ids=batch.input_ids, output_hidden_states=True).hidden_states[layer + 1]
-            old = left_window_mask(batch.lengths, len(ids), window)[0]
-            chosen.append(kept[nearest(features(h, in_completion(batch), mean, scale), centroids)[0]][old])
-            regions = token_regions(tokenizer, ids, batch.labels[0].tolist())
-            truth.append(torch.tensor([region in LONG_LIVED for region in regions])[old])
-    chosen, truth = torch.cat(chosen), torch.cat(truth)
+    for batch, hidden_states, old, regions in held_out_chains(model, handle, tokenizer, examples[n // 2:], window):
+        chosen.append(kept[nearest(features(hidden_states[layer + 1], in_completion(batch), mean, scale), centroids)[0]][old])
+        truth.append(long_lived_truth(regions, old))
     return {"model": model_dir, "chains": n, "seed": seed, "window": window, "kinds": kinds, "layer": layer,
-            "share": share, "kept_share": round(float(chosen.float().mean()), 3),
-            "precision": round(float(truth[chosen].float().mean()), 3) if chosen.any() else None,
-            "recall": round(float(chosen[truth].float().mean()), 3), "rounds": rounds}
+            "share": share, **against_roles(torch.cat(chosen), torch.cat(truth)), "rounds": rounds}
 
 
 def main() -> None:

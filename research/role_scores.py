@@ -170,45 +170,76 @@ def role_scores(model_dir: str, k_min: int, k_max: int, n: int, window: int, see
     return report
 
 
-def kind_scores(model_dir: str, k_min: int, k_max: int, n: int, window: int, seed: int, kinds: int, layer: int,
-                mass: float, per_batch: int = 4) -> dict:
-    """The effect roles planned on the first half of ``n`` reference chains, scored against the roles on the rest."""
+def gated_model(model_dir: str, window: int):
+    """The frozen model, its tokenizer and (untrained) DMS gates attached: ``handle.evicting`` runs planned evictions."""
     from dms_runtime.attach import attach_dms
     from dms_runtime.config import DMSConfig
     from dms_runtime.gates import build_gates
-    from training.effect_roles import in_completion, plan_effect_roles
 
     model, tokenizer = load_model(model_dir, dtype=torch.float32)
     config = DMSConfig(window=window)
-    handle = attach_dms(model, build_gates(model, config), config)
+    return model, tokenizer, attach_dms(model, build_gates(model, config), config)
+
+
+def reference_chains(tokenizer, n: int, k_min: int, k_max: int, seed: int) -> list[tuple[list[int], int]]:
     rng = random.Random(seed)
-    examples = [encode_example(tokenizer, generate_problem(rng, rng.randint(k_min, k_max))) for _ in range(n)]
-    half = sorted(examples[: n // 2], key=lambda e: len(e[0]))  # neighbours in length share a batch
-    batches = [pad_examples(half[i:i + per_batch], tokenizer.pad_token_id) for i in range(0, len(half), per_batch)]
-    roles = plan_effect_roles(model, handle, batches, window, layer, kinds, mass, seed)
-    cost, kept, truth = [], [], []
-    by_kind: dict[int, Counter] = {}  # kind -> the roles' regions of its held-out tokens
-    with handle.mode("off"), torch.no_grad():
-        for ids, prompt_len in examples[n // 2:]:
+    return [encode_example(tokenizer, generate_problem(rng, rng.randint(k_min, k_max))) for _ in range(n)]
+
+
+def length_batches(tokenizer, examples: list[tuple[list[int], int]], per_batch: int = 4) -> list:
+    """Batches of ``per_batch`` examples, neighbours in length together (little padding)."""
+    ordered = sorted(examples, key=lambda e: len(e[0]))
+    return [pad_examples(ordered[i:i + per_batch], tokenizer.pad_token_id) for i in range(0, len(ordered), per_batch)]
+
+
+@torch.no_grad()
+def held_out_chains(model, handle, tokenizer, examples: list[tuple[list[int], int]], window: int):
+    """Per chain, what a long-lived set is scored on: its batch, the frozen model's hidden states, the tokens that left
+    the window and the roles' region of every token."""
+    with handle.mode("off"):
+        for ids, prompt_len in examples:
             batch = pad_examples([(ids, prompt_len)], tokenizer.pad_token_id)
             hidden = model(input_ids=batch.input_ids, use_cache=False, output_hidden_states=True).hidden_states
-            old = left_window_mask(batch.lengths, len(ids), window)[0]
-            of_kind = roles.kinds(hidden[layer + 1], in_completion(batch))[0]
-            cost.append(roles.cost[of_kind][old])
-            kept.append(roles.mask(hidden, batch)[0][old])
-            regions = token_regions(tokenizer, ids, batch.labels[0].tolist())
-            truth.append(torch.tensor([region in LONG_LIVED for region in regions])[old])
-            for position in old.nonzero().flatten().tolist():
-                by_kind.setdefault(int(of_kind[position]), Counter())[regions[position]] += 1
+            yield (batch, hidden, left_window_mask(batch.lengths, len(ids), window)[0],
+                   token_regions(tokenizer, ids, batch.labels[0].tolist()))
+
+
+def long_lived_truth(regions: list[str], old: torch.Tensor) -> torch.Tensor:
+    return torch.tensor([region in LONG_LIVED for region in regions])[old]
+
+
+def against_roles(kept: torch.Tensor, truth: torch.Tensor) -> dict:
+    """A long-lived set ``kept`` against the roles' long-lived tokens ``truth`` (both over the same tokens)."""
+    return {"kept_share": round(float(kept.float().mean()), 3),
+            "precision": round(float(truth[kept].float().mean()), 3) if kept.any() else None,
+            "recall": round(float(kept[truth].float().mean()), 3)}
+
+
+def kind_scores(model_dir: str, k_min: int, k_max: int, n: int, window: int, seed: int, kinds: int, layer: int,
+                mass: float) -> dict:
+    """The effect roles planned on the first half of ``n`` reference chains, scored against the roles on the rest."""
+    from training.effect_roles import in_completion, plan_effect_roles
+
+    model, tokenizer, handle = gated_model(model_dir, window)
+    examples = reference_chains(tokenizer, n, k_min, k_max, seed)
+    roles = plan_effect_roles(model, handle, length_batches(tokenizer, examples[: n // 2]), window, layer, kinds, mass,
+                              seed)
+    cost, kept, truth = [], [], []
+    by_kind: dict[int, Counter] = {}  # kind -> the roles' regions of its held-out tokens
+    for batch, hidden, old, regions in held_out_chains(model, handle, tokenizer, examples[n // 2:], window):
+        of_kind = roles.kinds(hidden[layer + 1], in_completion(batch))[0]
+        cost.append(roles.cost[of_kind][old])
+        kept.append(roles.mask(hidden, batch)[0][old])
+        truth.append(long_lived_truth(regions, old))
+        for position in old.nonzero().flatten().tolist():
+            by_kind.setdefault(int(of_kind[position]), Counter())[regions[position]] += 1
     cost, kept, truth = torch.cat(cost), torch.cat(kept), torch.cat(truth)
     table = [{"kind": kind, "cost": round(float(roles.cost[kind]), 3), "long_lived": bool(roles.long_lived[kind]),
               "regions": dict(by_kind[kind].most_common(3))}
              for kind in roles.cost.argsort(descending=True).tolist() if kind in by_kind]
     return {"model": model_dir, "k": [k_min, k_max], "chains": n, "seed": seed, "window": window, "kinds": kinds,
             "layer": layer, "mass": mass, "auc": round(auc(cost[truth], cost[~truth]), 3),
-            "long_lived_kinds": int(roles.long_lived.sum()), "kept_share": round(float(kept.float().mean()), 3),
-            "precision": round(float(truth[kept].float().mean()), 3), "recall": round(float(kept[truth].float().mean()), 3),
-            "by_kind": table}
+            "long_lived_kinds": int(roles.long_lived.sum()), **against_roles(kept, truth), "by_kind": table}
 
 
 def readout_aucs(hidden: list[list[torch.Tensor]], reads: list[torch.Tensor], long_lived: list[torch.Tensor]) -> dict:
