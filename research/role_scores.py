@@ -216,14 +216,20 @@ def against_roles(kept: torch.Tensor, truth: torch.Tensor) -> dict:
 
 
 def kind_scores(model_dir: str, k_min: int, k_max: int, n: int, window: int, seed: int, kinds: int, layer: int,
-                mass: float) -> dict:
-    """The effect roles planned on the first half of ``n`` reference chains, scored against the roles on the rest."""
+                mass: float, planned_in: str | None = None) -> dict:
+    """The effect roles planned on the first half of ``n`` reference chains (or those a retrofit planned, read from its
+    state file ``planned_in``), scored against the roles on the rest."""
     from training.effect_roles import in_completion, plan_effect_roles
+    from training.retrofit import restore_role_labels
 
     model, tokenizer, handle = gated_model(model_dir, window)
     examples = reference_chains(tokenizer, n, k_min, k_max, seed)
-    roles = plan_effect_roles(model, handle, length_batches(tokenizer, examples[: n // 2]), window, layer, kinds, mass,
-                              seed)
+    if planned_in:
+        roles = restore_role_labels(torch.load(planned_in, weights_only=False)["roles"]).kinds
+        kinds, layer, mass = len(roles.centroids), roles.layer, None
+    else:
+        roles = plan_effect_roles(model, handle, length_batches(tokenizer, examples[: n // 2]), window, layer, kinds,
+                                  mass, seed)
     cost, kept, truth = [], [], []
     by_kind: dict[int, Counter] = {}  # kind -> the roles' regions of its held-out tokens
     for batch, hidden, old, regions in held_out_chains(model, handle, tokenizer, examples[n // 2:], window):
@@ -238,7 +244,7 @@ def kind_scores(model_dir: str, k_min: int, k_max: int, n: int, window: int, see
               "regions": dict(by_kind[kind].most_common(3))}
              for kind in roles.cost.argsort(descending=True).tolist() if kind in by_kind]
     return {"model": model_dir, "k": [k_min, k_max], "chains": n, "seed": seed, "window": window, "kinds": kinds,
-            "layer": layer, "mass": mass, "auc": round(auc(cost[truth], cost[~truth]), 3),
+            "layer": layer, "mass": mass, "planned_in": planned_in, "auc": round(auc(cost[truth], cost[~truth]), 3),
             "long_lived_kinds": int(roles.long_lived.sum()), **against_roles(kept, truth), "by_kind": table}
 
 
@@ -270,11 +276,12 @@ def main() -> None:
     parser.add_argument("--kinds", type=int, default=0, help="also score the effect roles with this many kinds")
     parser.add_argument("--layer", type=int, default=3, help="the effect roles' layer")
     parser.add_argument("--mass", type=float, default=0.8, help="the effect roles' share of the eviction cost")
+    parser.add_argument("--kinds-from", help="score the effect roles a retrofit planned (its retrofit_state-*.pt)")
     args = parser.parse_args()
     k_min, _, k_max = args.k.partition("-")
-    if args.kinds:
+    if args.kinds or args.kinds_from:
         print(json.dumps(kind_scores(args.model, int(k_min), int(k_max or k_min), args.n, args.window, args.seed,
-                                     args.kinds, args.layer, args.mass)))
+                                     args.kinds, args.layer, args.mass, args.kinds_from)))
         return
     print(json.dumps(role_scores(args.model, int(k_min), int(k_max or k_min), args.n, args.window, args.seed,
                                  args.eviction_effect)))

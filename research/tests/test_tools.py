@@ -166,6 +166,23 @@ def test_role_scores_scores_the_effect_roles_planned_on_half_the_chains():
     assert costs == sorted(costs, reverse=True) and all(sum(row["regions"].values()) > 0 for row in report["by_kind"])
 
 
+def test_role_scores_scores_the_effect_roles_a_retrofit_planned(tmp_path):
+    import torch
+
+    from training.effect_roles import EffectRoles
+    from training.gate_labels import RoleLabels
+
+    kinds = EffectRoles(3, torch.zeros(192), torch.ones(192), torch.randn(4, 193), torch.tensor([2.0, 1.0, 0.5, 0.0]),
+                        torch.tensor([True, False, False, False]))  # layer 3 of the 192-wide shipped model, four kinds
+    state = tmp_path / "retrofit_state-adapter-w32.pt"
+    torch.save({"roles": RoleLabels(torch.zeros(6, 2), [1.0], kinds).state()}, state)
+    done = tool("role_scores", "--k", "6-8", "--n", "4", "--kinds-from", str(state), timeout=300)
+    assert done.returncode == 0, done.stderr
+    report = json.loads(done.stdout)
+    assert report["planned_in"] == str(state) and report["kinds"] == 4 and report["long_lived_kinds"] == 1
+    assert 0 <= report["kept_share"] <= 1 and {row["kind"] for row in report["by_kind"]} <= {0, 1, 2, 3}
+
+
 def test_forward_kinds_keeps_kinds_until_the_share_and_scores_them_against_the_roles():
     done = tool("forward_kinds", "--kinds", "6", "--share", "0.05", "--n", "8", timeout=300)
     assert done.returncode == 0, done.stderr
