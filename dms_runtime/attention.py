@@ -137,18 +137,16 @@ def _train_attention(module, state: LayerState, query, key, value, attention_mas
     q_len, k_len = query.shape[2], key.shape[2]
     if q_len != k_len:
         raise ValueError("DMS training attention needs the whole sequence at once (no cache)")
-    alpha = straight_through_alpha(shifted_decisions(state.logits.float()), state.temperature, state.noise)
-    state.alpha = alpha
-    allowed = _base_mask(attention_mask, q_len, k_len, query.device)
-    attend = evicting_attention if query.device.type == "cpu" else _bias_mask_attention
-    return attend(query, key, value, alpha, allowed, state.window, scaling), None
+    state.alpha = straight_through_alpha(shifted_decisions(state.logits.float()), state.temperature, state.noise)
+    return _given_eviction_attention(state, query, key, value, attention_mask, scaling)
 
 
 def _given_eviction_attention(state: LayerState, query, key, value, attention_mask, scaling):
-    """The training attention under ``state.alpha`` (``[B, decisions | 1, T]``, 0/1), set by the caller."""
+    """The training attention under ``state.alpha`` (``[B, decisions | 1, T]``): the gates' decisions in training,
+    the caller's in evict mode."""
     allowed = _base_mask(attention_mask, query.shape[2], key.shape[2], query.device)
     attend = evicting_attention if query.device.type == "cpu" else _bias_mask_attention
-    return attend(query, key, value, state.alpha.to(query.dtype), allowed, state.window, scaling), None
+    return attend(query, key, value, state.alpha, allowed, state.window, scaling), None
 
 
 def _bias_mask_attention(query, key, value, alpha: torch.Tensor, allowed: torch.Tensor, window: int, scaling) -> torch.Tensor:

@@ -18,8 +18,7 @@ import json
 import torch
 
 from role_scores import against_roles, gated_model, held_out_chains, length_batches, long_lived_truth, reference_chains
-from training.effect_roles import completion_losses, features, in_completion, kmeans, nearest
-from training.gate_labels import left_window_mask
+from training.effect_roles import completion_losses, fit_kinds, frozen_pass, in_completion
 
 
 @torch.no_grad()
@@ -27,14 +26,9 @@ def forward_kinds(model_dir: str, kinds: int, share: float, n: int, layer: int, 
     model, tokenizer, handle = gated_model(model_dir, window)
     examples = reference_chains(tokenizer, n, 1, 20, seed)
     batches = length_batches(tokenizer, examples[: n // 4])
-    with handle.mode("off"):
-        hidden = [model(input_ids=b.input_ids, output_hidden_states=True).hidden_states[layer + 1] for b in batches]
-    olds = [left_window_mask(b.lengths, b.input_ids.shape[1], window) for b in batches]
-    states = torch.cat([h[old] for h, old in zip(hidden, olds)])
-    mean, scale = states.mean(0), states.std(0) + 1e-5
-    centroids = kmeans(torch.cat([features(h, in_completion(b), mean, scale)[old]
-                                  for h, b, old in zip(hidden, batches, olds)]), kinds, seed=seed)
-    of_kind = [nearest(features(h, in_completion(b), mean, scale), centroids) for h, b in zip(hidden, batches)]
+    hidden, olds, _ = frozen_pass(model, handle, batches, window, layer)
+    roles = fit_kinds(hidden, batches, olds, layer, kinds, seed)
+    of_kind = [roles.kinds(h, in_completion(b)) for h, b in zip(hidden, batches)]
     counts = sum(torch.bincount(k[old], minlength=kinds).float() for k, old in zip(of_kind, olds))
 
     def loss_keeping(kept: torch.Tensor) -> float:
@@ -58,7 +52,7 @@ def forward_kinds(model_dir: str, kinds: int, share: float, n: int, layer: int, 
                        "share": round(float(counts[kept].sum() / counts.sum()), 3)})
     chosen, truth = [], []
     for batch, hidden_states, old, regions in held_out_chains(model, handle, tokenizer, examples[n // 2:], window):
-        chosen.append(kept[nearest(features(hidden_states[layer + 1], in_completion(batch), mean, scale), centroids)[0]][old])
+        chosen.append(kept[roles.kinds(hidden_states[layer + 1], in_completion(batch))[0]][old])
         truth.append(long_lived_truth(regions, old))
     return {"model": model_dir, "chains": n, "seed": seed, "window": window, "kinds": kinds, "layer": layer,
             "share": share, **against_roles(torch.cat(chosen), torch.cat(truth)), "rounds": rounds}

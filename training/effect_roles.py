@@ -118,25 +118,41 @@ def choose_long_lived(cost: torch.Tensor, counts: torch.Tensor, mass: float) -> 
 
 
 @torch.no_grad()
-def plan_effect_roles(model, handle, batches: list[Batch], window: int, layer: int, kinds: int = 64,
-                      mass: float = 0.8, seed: int = 0, quiet: bool = True) -> EffectRoles:
-    """Kinds, their costs and the long-lived ones, measured on ``batches`` with ``model`` (the frozen weights, DMS
-    ``handle`` attached; its mode is restored after)."""
+def frozen_pass(model, handle, batches: list[Batch], window: int,
+                layer: int) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]:
+    """Per batch, with the gates off: layer ``layer``'s output hidden states, the tokens that leave the window and
+    each row's completion loss."""
     device = next(model.parameters()).device
-    hidden, olds, bases = [], [], []
+    hidden, olds, losses = [], [], []
     with handle.mode("off"):
         for batch in batches:
             output = model(input_ids=batch.input_ids.to(device), use_cache=False, output_hidden_states=True)
             hidden.append(output.hidden_states[layer + 1].float().cpu())
             olds.append(left_window_mask(batch.lengths, batch.input_ids.shape[1], window))
-            bases.append(completion_losses(output.logits, batch).cpu())
+            losses.append(completion_losses(output.logits, batch).cpu())
+    return hidden, olds, losses
+
+
+def fit_kinds(hidden: list[torch.Tensor], batches: list[Batch], olds: list[torch.Tensor], layer: int, kinds: int,
+              seed: int = 0) -> EffectRoles:
+    """Kinds (not yet costed) of the tokens ``olds`` marks, from their hidden states (:func:`frozen_pass`)."""
     states = torch.cat([h[old] for h, old in zip(hidden, olds)])
     if len(states) < kinds:
         raise ValueError(f"effect roles: {len(states)} calibration tokens leave the window, fewer than {kinds} kinds")
     mean, scale = states.mean(0), states.std(0) + 1e-5
     points = torch.cat([features(h, in_completion(b), mean, scale)[old] for h, b, old in zip(hidden, batches, olds)])
-    roles = EffectRoles(layer, mean, scale, kmeans(points, kinds, seed=seed), torch.zeros(kinds),
-                        torch.zeros(kinds, dtype=torch.bool))
+    return EffectRoles(layer, mean, scale, kmeans(points, kinds, seed=seed), torch.zeros(kinds),
+                       torch.zeros(kinds, dtype=torch.bool))
+
+
+@torch.no_grad()
+def plan_effect_roles(model, handle, batches: list[Batch], window: int, layer: int, kinds: int = 64,
+                      mass: float = 0.8, seed: int = 0, quiet: bool = True) -> EffectRoles:
+    """Kinds, their costs and the long-lived ones, measured on ``batches`` with ``model`` (the frozen weights, DMS
+    ``handle`` attached; its mode is restored after)."""
+    device = next(model.parameters()).device
+    hidden, olds, bases = frozen_pass(model, handle, batches, window, layer)
+    roles = fit_kinds(hidden, batches, olds, layer, kinds, seed)
     added, counts = torch.zeros(kinds), torch.zeros(kinds)
     costed = tqdm(list(zip(batches, hidden, olds, bases)), desc="effect roles: costing kinds", disable=quiet)
     for batch, h, old, base in costed:

@@ -547,7 +547,7 @@ def retrofit(config: RetrofitConfig, steps: int | None = None, quiet: bool = Fal
         row_gates.requires_grad_(False)
     ratios = len(config.ratios)
     anchors = config.full_finetune and config.anchor_rows
-    effect_kinds = supervised and roles is not None and roles.kinds is not None  # the teacher's hidden states tell them
+    teacher_hidden = supervised and roles is not None and roles.kinds is not None  # the effect roles read them
     bar = tqdm(range(start, end), initial=start, total=config.total_steps, desc="retrofit", disable=quiet)
     began = time.perf_counter()
     kl = torch.zeros(())
@@ -562,7 +562,7 @@ def retrofit(config: RetrofitConfig, steps: int | None = None, quiet: bool = Fal
             gates.row_ratio = row_ratio
         with torch.no_grad(), autocast(device), \
                 (teacher_handle.mode("probe") if supervised else handle.mode("off")):
-            taught = teacher(input_ids=input_ids, use_cache=False, output_hidden_states=effect_kinds)
+            taught = teacher(input_ids=input_ids, use_cache=False, output_hidden_states=teacher_hidden)
             teacher_logits = taught.logits
             far = teacher_handle.far_attentions() if supervised else []
             long_lived = long_lived_tokens(roles, tokenizer, batch, taught.hidden_states) if supervised and roles else None
