@@ -185,7 +185,12 @@ def test_a_batch_answers_every_problem_once_when_the_second_node_dies(two_node_p
         await asyncio.wait(runs, return_when=asyncio.FIRST_COMPLETED)
         in_flight = [task for task, worker in pool._pins.items() if worker == doomed]
         kill_node(second)
-        return doomed, in_flight, await asyncio.gather(*runs), await pool.health()
+        results = await asyncio.gather(*runs)
+        # Ray's control store learns of the death from missed health checks, possibly after the batch has ended
+        deadline = time.time() + 60
+        while (health := await pool.health())[doomed].node_alive and time.time() < deadline:
+            await asyncio.sleep(0.5)
+        return doomed, in_flight, results, health
 
     with caplog.at_level(logging.WARNING, logger="workers.pool"):
         doomed, in_flight, results, health = asyncio.run(batch())
