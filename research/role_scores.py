@@ -18,8 +18,10 @@ role, ``docs/dms.md``):
 
 ``--kinds N`` also scores the task-agnostic long-lived set the retrofit can plan (``training.effect_roles``): N
 kinds of token (k-means clusters of one layer's hidden state) found on the first half of the chains, each costed by
-the loss its eviction adds per token hidden; reported are the AUC of that cost on the other half and the precision
-and recall of the long-lived kinds chosen (``kinds``).
+the loss its eviction adds per token hidden (``--cost kl``: the divergence from the frozen model's next-token
+distributions instead); reported are the AUC of that cost on the other half and the precision and recall of the
+long-lived kinds chosen (``kinds``). ``--plan-on sampled|greedy`` plans them on the model's own completions of the
+first half's problems instead of their reference chains, as the retrofit does on a problem file.
 
 A gate reads a token's hidden state, so it can only learn what is linearly readable there. ``readout_auc`` fits a
 linear read-out (logistic regression) of each layer's output hidden state on the first half of the chains and scores
@@ -32,7 +34,9 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import tempfile
 from collections import Counter
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -181,9 +185,27 @@ def gated_model(model_dir: str, window: int):
     return model, tokenizer, attach_dms(model, build_gates(model, config), config)
 
 
-def reference_chains(tokenizer, n: int, k_min: int, k_max: int, seed: int) -> list[tuple[list[int], int]]:
+def reference_problems(n: int, k_min: int, k_max: int, seed: int) -> list:
     rng = random.Random(seed)
-    return [encode_example(tokenizer, generate_problem(rng, rng.randint(k_min, k_max))) for _ in range(n)]
+    return [generate_problem(rng, rng.randint(k_min, k_max)) for _ in range(n)]
+
+
+def reference_chains(tokenizer, n: int, k_min: int, k_max: int, seed: int) -> list[tuple[list[int], int]]:
+    return [encode_example(tokenizer, problem) for problem in reference_problems(n, k_min, k_max, seed)]
+
+
+def own_chains(model_dir: str, problems: list, temperature: float | None, seed: int) -> list[tuple[list[int], int]]:
+    """The model's own completions of ``problems`` as the retrofit samples them (``training.completions``; its own
+    sampling, or ``temperature``, 0 greedy), as (token ids, prompt length)."""
+    from training.completions import sample_completions
+
+    with tempfile.TemporaryDirectory() as scratch:
+        path = Path(scratch) / "problems.jsonl"
+        path.write_text("".join(json.dumps({"id": f"plan-{i}", "prompt": p.text, "answer": p.answer}) + "\n"
+                                for i, p in enumerate(problems)))
+        completions = sample_completions(model_dir, path, scratch, max_new_tokens=1536, seed=seed,
+                                         temperature=temperature, quiet=True)
+    return [(c.prompt_ids + c.completion_ids, len(c.prompt_ids)) for c in completions]
 
 
 def length_batches(tokenizer, examples: list[tuple[list[int], int]], per_batch: int = 4) -> list:
@@ -215,10 +237,27 @@ def against_roles(kept: torch.Tensor, truth: torch.Tensor) -> dict:
             "recall": round(float(kept[truth].float().mean()), 3)}
 
 
+def retrofit_batches(model_dir: str, tokenizer, problems_file: str, batches: int, seed: int) -> list:
+    """The calibration batches a retrofit on ``problems_file`` plans its effect roles on (its model's sampled
+    completions, cached beside the file; ``batches`` of the default tokens per batch)."""
+    from training.completions import sample_completions
+    from training.retrofit import RetrofitConfig, calibration_batches, training_text
+
+    config = RetrofitConfig(model=model_dir, problems=problems_file, max_new_tokens=1536, seed=seed,
+                            effect_batches=batches)
+    cache = Path(problems_file).with_name(Path(problems_file).stem + "-completions")
+    completions = sample_completions(model_dir, problems_file, cache,
+                                     max_new_tokens=config.max_new_tokens, seed=seed, quiet=True)
+    return calibration_batches(config, training_text(config, tokenizer, completions))
+
+
 def kind_scores(model_dir: str, k_min: int, k_max: int, n: int, window: int, seed: int, kinds: int, layer: int,
-                mass: float, planned_in: str | None = None) -> dict:
-    """The effect roles planned on the first half of ``n`` reference chains (or those a retrofit planned, read from its
-    state file ``planned_in``), scored against the roles on the rest."""
+                mass: float, planned_in: str | None = None, cost_by: str = "nll", plan_on: str = "reference",
+                plan_problems: str | None = None, plan_batches: int = 16) -> dict:
+    """The effect roles planned on the first half of ``n`` problems (``plan_on``: their reference chains, or the
+    model's ``sampled`` or ``greedy`` completions of them, as the retrofit's text), or on the calibration batches a
+    retrofit on ``plan_problems`` would make, or those a retrofit planned (read from its state file
+    ``planned_in``); scored against the roles on the other half's reference chains."""
     from training.effect_roles import in_completion, plan_effect_roles
     from training.retrofit import restore_role_labels
 
@@ -228,8 +267,14 @@ def kind_scores(model_dir: str, k_min: int, k_max: int, n: int, window: int, see
         roles = restore_role_labels(torch.load(planned_in, weights_only=False)["roles"]).kinds
         kinds, layer, mass = len(roles.centroids), roles.layer, None
     else:
-        roles = plan_effect_roles(model, handle, length_batches(tokenizer, examples[: n // 2]), window, layer, kinds,
-                                  mass, seed)
+        if plan_problems:
+            batches = retrofit_batches(model_dir, tokenizer, plan_problems, plan_batches, seed)
+        else:
+            planned = examples[: n // 2] if plan_on == "reference" else own_chains(
+                model_dir, reference_problems(n, k_min, k_max, seed)[: n // 2], 0.0 if plan_on == "greedy" else None,
+                seed)
+            batches = length_batches(tokenizer, planned)
+        roles = plan_effect_roles(model, handle, batches, window, layer, kinds, mass, seed, cost_by)
     cost, kept, truth = [], [], []
     by_kind: dict[int, Counter] = {}  # kind -> the roles' regions of its held-out tokens
     for batch, hidden, old, regions in held_out_chains(model, handle, tokenizer, examples[n // 2:], window):
@@ -244,7 +289,9 @@ def kind_scores(model_dir: str, k_min: int, k_max: int, n: int, window: int, see
               "regions": dict(by_kind[kind].most_common(3))}
              for kind in roles.cost.argsort(descending=True).tolist() if kind in by_kind]
     return {"model": model_dir, "k": [k_min, k_max], "chains": n, "seed": seed, "window": window, "kinds": kinds,
-            "layer": layer, "mass": mass, "planned_in": planned_in, "auc": round(auc(cost[truth], cost[~truth]), 3),
+            "layer": layer, "mass": mass, "planned_in": planned_in, "cost_by": None if planned_in else cost_by,
+            "plan_on": None if planned_in else f"{plan_problems} ({plan_batches} batches)" if plan_problems else plan_on,
+            "auc": round(auc(cost[truth], cost[~truth]), 3),
             "long_lived_kinds": int(roles.long_lived.sum()), **against_roles(kept, truth), "by_kind": table}
 
 
@@ -277,11 +324,18 @@ def main() -> None:
     parser.add_argument("--layer", type=int, default=3, help="the effect roles' layer")
     parser.add_argument("--mass", type=float, default=0.8, help="the effect roles' share of the eviction cost")
     parser.add_argument("--kinds-from", help="score the effect roles a retrofit planned (its retrofit_state-*.pt)")
+    parser.add_argument("--cost", choices=["nll", "kl"], default="nll", help="the effect roles' cost of a kind")
+    parser.add_argument("--plan-on", choices=["reference", "sampled", "greedy"], default="reference",
+                        help="the text the effect roles are planned on: reference chains or the model's completions")
+    parser.add_argument("--plan-problems", help="plan the effect roles on the calibration batches a retrofit on this "
+                        "problem file makes (its model's sampled completions) instead")
+    parser.add_argument("--plan-batches", type=int, default=16, help="with --plan-problems: how many batches")
     args = parser.parse_args()
     k_min, _, k_max = args.k.partition("-")
     if args.kinds or args.kinds_from:
         print(json.dumps(kind_scores(args.model, int(k_min), int(k_max or k_min), args.n, args.window, args.seed,
-                                     args.kinds, args.layer, args.mass, args.kinds_from)))
+                                     args.kinds, args.layer, args.mass, args.kinds_from, args.cost, args.plan_on,
+                                     args.plan_problems, args.plan_batches)))
         return
     print(json.dumps(role_scores(args.model, int(k_min), int(k_max or k_min), args.n, args.window, args.seed,
                                  args.eviction_effect)))

@@ -9,7 +9,8 @@ from dms_runtime.attach import attach_dms
 from dms_runtime.config import DMSConfig
 from dms_runtime.gates import build_gates
 from tests.test_dms import VOCAB, tiny
-from training.effect_roles import EffectRoles, choose_long_lived, in_completion, kmeans, plan_effect_roles
+from training.effect_roles import (EffectRoles, choose_long_lived, completion_kl, in_completion, kmeans,
+                                   plan_effect_roles)
 
 
 def test_an_eviction_hides_its_keys_only_from_queries_beyond_the_window():
@@ -40,6 +41,20 @@ def test_kmeans_separates_clusters_and_the_long_lived_kinds_carry_the_cost_mass(
     assert choose_long_lived(cost, counts, 0.6).tolist() == [True, False, False, False]
     assert choose_long_lived(cost, counts, 0.8).tolist() == [True, False, True, False]
     assert choose_long_lived(cost, counts, 1.0).tolist() == [True, True, True, False]
+
+
+def test_the_kl_cost_counts_only_the_positions_that_predict_the_completion():
+    from training.chain_data import pad_examples
+
+    batch = pad_examples([([5, 6, 7, 8, 9], 2), ([5, 6, 7], 1)], pad_id=0)  # prompts of 2 and 1 tokens
+    reference = torch.log_softmax(torch.randn(2, 5, VOCAB, generator=torch.Generator().manual_seed(0)), -1)
+    assert torch.allclose(completion_kl(reference.clone(), reference, batch), torch.zeros(2), atol=1e-6)
+    shifted = reference.clone()
+    shifted[:, 0] += torch.randn(2, VOCAB)  # position 0 predicts row 0's prompt and row 1's completion
+    kl = completion_kl(shifted, reference, batch)
+    assert kl[0].abs() < 1e-6 and kl[1] > 0
+    shifted[0, 1] += torch.randn(VOCAB)  # row 0's first completion token
+    assert completion_kl(shifted, reference, batch)[0] > 0
 
 
 def test_effect_roles_find_the_chain_models_long_lived_tokens_without_the_tasks_labels():

@@ -80,14 +80,17 @@ def read_problem_file(path: str | Path, task: str) -> list[dict]:
 
 
 def sample_completions(model_dir: str | Path, problems_path: str | Path, out_dir: str | Path, task: str | None = None,
-                       samples: int = 1, max_new_tokens: int = 2048, seed: int = 0,
+                       samples: int = 1, max_new_tokens: int = 2048, seed: int = 0, temperature: float | None = None,
                        quiet: bool = False) -> list[Completion]:
     """``samples`` completions of every problem, from the cache in ``out_dir`` where it has them, else sampled now
-    (and added to the cache). ``task``: the family of rows that name none (default: the model's)."""
+    (and added to the cache). ``task``: the family of rows that name none (default: the model's); ``temperature``:
+    instead of the model's own (0: greedy)."""
     tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
     task = task or default_family(model_dir)
     problems = read_problem_file(problems_path, task)
     base = model_sampling(model_dir, max_new_tokens)
+    if temperature is not None:
+        base = SamplingParams(**(asdict(base) | {"temperature": temperature}))
     wanted: dict[tuple[str, int], tuple[dict, list[int], SamplingParams]] = {}
     for problem in problems:
         family = row_family(problem, task)

@@ -10,7 +10,9 @@ keep is a *kind* of token, and a kind is what this module scores:
    has a prompt, and on the chain model a layer-3 letter of the question and a letter of the thinking share a
    cluster otherwise, though only the question's is needed later);
 2. cost: per kind and batch, one pass with every token of that kind hidden from all queries more than the window
-   later, in every layer and head (``DMSHandle.evicting``); the rise in the completions' loss, per token hidden.
+   later, in every layer and head (``DMSHandle.evicting``); per token hidden, the rise in the completions' loss
+   (``nll``) or the divergence of the completions' next-token distributions from the frozen model's (``kl``: what
+   the retrofit's distillation minimizes, and blind to which token a sampled completion happened to draw).
    Hiding a whole kind at once is the point: a value read long after it is written usually has several copies (where
    it was computed, where it was written down, where it was read before), so hiding one token costs little, and
    scores by attention or by one token's eviction mistake that redundancy for scratch (``docs/dms.md``);
@@ -104,6 +106,13 @@ def completion_losses(logits: torch.Tensor, batch: Batch) -> torch.Tensor:
     return (nll * mask).sum(-1)
 
 
+def completion_kl(logits: torch.Tensor, reference_logp: torch.Tensor, batch: Batch) -> torch.Tensor:
+    """``[B]``: each row's summed KL(reference || model) over the positions that predict its completion."""
+    logp = F.log_softmax(logits.float(), dim=-1)
+    kl = (reference_logp.exp() * (reference_logp - logp)).sum(-1)
+    return (kl * batch.loss_mask.to(logits.device)).sum(-1).cpu()
+
+
 def choose_long_lived(cost: torch.Tensor, counts: torch.Tensor, mass: float) -> torch.Tensor:
     """The kinds costliest per token that together carry ``mass`` of the total (positive) cost."""
     total = (cost.clamp(min=0) * counts).sum()
@@ -147,21 +156,28 @@ def fit_kinds(hidden: list[torch.Tensor], batches: list[Batch], olds: list[torch
 
 @torch.no_grad()
 def plan_effect_roles(model, handle, batches: list[Batch], window: int, layer: int, kinds: int = 64,
-                      mass: float = 0.8, seed: int = 0, quiet: bool = True) -> EffectRoles:
-    """Kinds, their costs and the long-lived ones, measured on ``batches`` with ``model`` (the frozen weights, DMS
-    ``handle`` attached; its mode is restored after)."""
+                      mass: float = 0.8, seed: int = 0, cost: str = "nll", quiet: bool = True) -> EffectRoles:
+    """Kinds, their costs (``cost``: ``nll`` or ``kl``, see the module) and the long-lived ones, measured on
+    ``batches`` with ``model`` (the frozen weights, DMS ``handle`` attached; its mode is restored after)."""
+    if cost not in ("nll", "kl"):
+        raise ValueError(f"effect roles: cost {cost!r} is not 'nll' or 'kl'")
     device = next(model.parameters()).device
     hidden, olds, bases = frozen_pass(model, handle, batches, window, layer)
     roles = fit_kinds(hidden, batches, olds, layer, kinds, seed)
     added, counts = torch.zeros(kinds), torch.zeros(kinds)
     costed = tqdm(list(zip(batches, hidden, olds, bases)), desc="effect roles: costing kinds", disable=quiet)
     for batch, h, old, base in costed:
+        ids = batch.input_ids.to(device)
+        if cost == "kl":
+            with handle.mode("off"):
+                reference = F.log_softmax(model(input_ids=ids, use_cache=False).logits.float(), dim=-1)
         of_kind = roles.kinds(h, in_completion(batch))
         for kind in of_kind[old].unique().tolist():
             evicted = old & (of_kind == kind)
             with handle.evicting(evicted.to(device)):
-                losses = completion_losses(model(input_ids=batch.input_ids.to(device), use_cache=False).logits, batch)
-            added[kind] += (losses.cpu() - base).sum()
+                logits = model(input_ids=ids, use_cache=False).logits
+            added[kind] += (completion_kl(logits, reference, batch) if cost == "kl"
+                            else completion_losses(logits, batch).cpu() - base).sum()
             counts[kind] += evicted.sum()
     roles.cost = added / counts.clamp(min=1)
     roles.long_lived = choose_long_lived(roles.cost, counts, mass)

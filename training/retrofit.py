@@ -126,6 +126,7 @@ class RetrofitConfig(BaseModel):
     effect_layer: int | None = Field(None, ge=0)  # effect_roles: whose hidden state tells the kinds (None: the middle layer)
     effect_mass: float = Field(0.8, gt=0, le=1)  # effect_roles: the share of the eviction cost the long-lived kinds carry
     effect_batches: int = Field(16, ge=1)  # effect_roles: calibration batches of a problem file's completions
+    effect_cost: Literal["nll", "kl"] = "nll"  # effect_roles: what a kind's eviction is costed by (training.effect_roles)
     # After the warm start, train only the weights (full fine-tuning) under the warm-started gates' decisions:
     # measured on the shipped model, KL through the straight-through estimator moves the gates away from what
     # the warm start found faster than it improves them.
@@ -384,7 +385,7 @@ def plan_role_labels(model, handle, row_gates: nn.ModuleList, config: RetrofitCo
     if config.warmstart_labels == "effect_roles":
         layer = config.effect_layer if config.effect_layer is not None else len(handle.modules) // 2
         kinds = plan_effect_roles(model, handle, batches, config.window, layer, config.effect_kinds, config.effect_mass,
-                                  config.seed, quiet)
+                                  config.seed, config.effect_cost, quiet)
     probes = []
     for batch in batches:
         _, far, _, hidden = probe_pass(model, handle, row_gates, batch, len(config.ratios), hidden=kinds is not None)

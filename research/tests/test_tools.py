@@ -156,14 +156,31 @@ def test_role_scores_ranks_tokens_by_each_score_against_the_chain_roles():
     assert all(0 <= value <= 1 for values in readout.values() for value in values)
 
 
-def test_role_scores_scores_the_effect_roles_planned_on_half_the_chains():
-    done = tool("role_scores", "--k", "6-8", "--n", "4", "--kinds", "8", timeout=300)
+@pytest.mark.parametrize("plan_on, cost", [("reference", "nll"), ("sampled", "kl")])
+def test_role_scores_scores_the_effect_roles_planned_on_half_the_chains(plan_on, cost):
+    done = tool("role_scores", "--k", "6-8", "--n", "4", "--kinds", "8", "--plan-on", plan_on, "--cost", cost,
+                timeout=300)
     assert done.returncode == 0, done.stderr
     report = json.loads(done.stdout)
     assert report["kinds"] == 8 and report["layer"] == 3 and 1 <= report["long_lived_kinds"] < 8
+    assert report["plan_on"] == plan_on and report["cost_by"] == cost
     assert all(0 <= report[key] <= 1 for key in ("auc", "kept_share", "precision", "recall"))
     costs = [row["cost"] for row in report["by_kind"]]  # the kinds met in the held-out chains, costliest first
     assert costs == sorted(costs, reverse=True) and all(sum(row["regions"].values()) > 0 for row in report["by_kind"])
+
+
+def test_role_scores_plans_the_effect_roles_on_a_retrofits_calibration_batches(tmp_path):
+    from tasks.chain import generate_suite
+    from tasks.jsonl import write_jsonl
+
+    problems = tmp_path / "prompts.jsonl"
+    write_jsonl(problems, generate_suite(6, 6, 8, seed=3))
+    done = tool("role_scores", "--k", "6-8", "--n", "4", "--kinds", "8", "--plan-problems", str(problems),
+                "--plan-batches", "2", timeout=300)
+    assert done.returncode == 0, done.stderr
+    report = json.loads(done.stdout)
+    assert report["plan_on"] == f"{problems} (2 batches)" and 1 <= report["long_lived_kinds"] < 8
+    assert len((tmp_path / "prompts-completions" / "retrofit-completions.jsonl").read_text().splitlines()) == 6
 
 
 def test_role_scores_scores_the_effect_roles_a_retrofit_planned(tmp_path):
