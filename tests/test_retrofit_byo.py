@@ -130,6 +130,17 @@ def test_a_problem_file_retrofit_fits_each_threshold_on_its_own_completions(tmp_
     assert '"source": "teacher_forced"' in capsys.readouterr().out
 
 
+def test_calibration_batches_of_a_problem_file_see_every_length():
+    examples = tuple((tuple(range(1, length + 1)), 1) for length in range(2, 42))  # lengths 2..41, shortest first
+    text = ProblemText(examples, 0, 6000, 0)
+    batches = text.spread_batches(3)
+    lengths = [batch.lengths.tolist() for batch in batches]
+    assert [len(row) for row in lengths] == [4, 4, 4] and lengths[0][0] == 2 and lengths[-1][-1] == 41
+    flat = [n for row in lengths for n in row]
+    assert flat == sorted(set(flat)) and max(b - a for a, b in zip(flat, flat[1:])) <= 4  # spread evenly, none twice
+    assert sorted(n for batch in text.spread_batches(100) for n in batch.lengths.tolist()) == list(range(2, 42))
+
+
 def test_problem_batches_score_the_completion_tokens_only(tmp_path, model_dir, problems):
     from training.completions import sample_completions
 

@@ -125,7 +125,7 @@ class RetrofitConfig(BaseModel):
     effect_kinds: int = Field(64, ge=2)  # effect_roles: how many kinds of token
     effect_layer: int | None = Field(None, ge=0)  # effect_roles: whose hidden state tells the kinds (None: the middle layer)
     effect_mass: float = Field(0.8, gt=0, le=1)  # effect_roles: the share of the eviction cost the long-lived kinds carry
-    effect_batches: int = Field(16, ge=1)  # effect_roles: calibration batches of a problem file's completions
+    effect_batches: int = Field(16, ge=1)  # effect_roles: calibration batches of four of a problem file's completions
     effect_cost: Literal["nll", "kl"] = "nll"  # effect_roles: what a kind's eviction is costed by (training.effect_roles)
     # After the warm start, train only the weights (full fine-tuning) under the warm-started gates' decisions:
     # measured on the shipped model, KL through the straight-through estimator moves the gates away from what
@@ -370,10 +370,11 @@ def restore_role_labels(saved: dict) -> RoleLabels:
 
 def calibration_batches(config: RetrofitConfig, text: TrainingText) -> list[Batch]:
     """Fresh batches the role labels are planned on: chain text one per difficulty (the eval's ratio weighs every
-    problem, short or long, the same), a problem file's completions ``effect_batches`` from random places."""
+    problem, short or long, the same), a problem file's completions ``effect_batches`` of four, spread over every
+    length (training's batches, each a run of one length, planned kinds that were less precise; docs/dms.md)."""
     if isinstance(text, ChainText):
         return [text.batch(15_485_863 * k, k, k) for k in range(config.k_min, config.k_max + 1)]
-    return [text.batch(15_485_863 * (index + 1)) for index in range(config.effect_batches)]
+    return text.spread_batches(config.effect_batches)
 
 
 def plan_role_labels(model, handle, row_gates: nn.ModuleList, config: RetrofitConfig, text: TrainingText,

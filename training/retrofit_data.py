@@ -89,6 +89,15 @@ class ProblemText:
             total += len(ids)
         return pad_examples(chosen, self.pad_id)
 
+    def spread_batches(self, batches: int, per_batch: int = 4) -> list[Batch]:
+        """``batches`` small batches of neighbouring lengths whose examples are spread evenly over every length: a
+        calibration sample that sees each length alike (a :meth:`batch` is a run of one length)."""
+        count = min(len(self.examples), batches * per_batch)
+        last = len(self.examples) - 1
+        chosen = [self.examples[round(i * last / max(1, count - 1))] for i in range(count)]
+        return [pad_examples([(list(ids), prompt_len) for ids, prompt_len in chosen[i:i + per_batch]], self.pad_id)
+                for i in range(0, count, per_batch)]
+
     def lengths(self) -> list[int]:
         return [len(ids) for ids, _ in self.examples]
 
