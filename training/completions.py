@@ -80,8 +80,8 @@ def read_problem_file(path: str | Path, task: str) -> list[dict]:
 
 
 def sample_completions(model_dir: str | Path, problems_path: str | Path, out_dir: str | Path, task: str | None = None,
-                       samples: int = 1, max_new_tokens: int = 2048, seed: int = 0, temperature: float | None = None,
-                       quiet: bool = False) -> list[Completion]:
+                       samples: int = 1, max_new_tokens: int = 2048, seed: int = 0, quiet: bool = False,
+                       temperature: float | None = None) -> list[Completion]:
     """``samples`` completions of every problem, from the cache in ``out_dir`` where it has them, else sampled now
     (and added to the cache). ``task``: the family of rows that name none (default: the model's); ``temperature``:
     instead of the model's own (0: greedy)."""
