@@ -197,14 +197,12 @@ def reference_chains(tokenizer, n: int, k_min: int, k_max: int, seed: int) -> li
 def own_chains(model_dir: str, problems: list, temperature: float | None, seed: int) -> list[tuple[list[int], int]]:
     """The model's own completions of ``problems`` as the retrofit samples them (``training.completions``; its own
     sampling, or ``temperature``, 0 greedy), as (token ids, prompt length)."""
-    from training.completions import sample_completions
+    from training.completions import complete_problems
 
-    with tempfile.TemporaryDirectory() as scratch:
-        path = Path(scratch) / "problems.jsonl"
-        path.write_text("".join(json.dumps({"id": f"plan-{i}", "prompt": p.text, "answer": p.answer}) + "\n"
-                                for i, p in enumerate(problems)))
-        completions = sample_completions(model_dir, path, scratch, max_new_tokens=1536, seed=seed,
-                                         temperature=temperature, quiet=True)
+    rows = [{"id": f"plan-{i}", "prompt": p.text, "answer": p.answer} for i, p in enumerate(problems)]
+    with tempfile.TemporaryDirectory() as cache:
+        completions = complete_problems(model_dir, rows, cache, max_new_tokens=1536, seed=seed,
+                                        temperature=temperature, quiet=True)
     return [(c.prompt_ids + c.completion_ids, len(c.prompt_ids)) for c in completions]
 
 
@@ -238,17 +236,15 @@ def against_roles(kept: torch.Tensor, truth: torch.Tensor) -> dict:
 
 
 def retrofit_batches(model_dir: str, tokenizer, problems_file: str, batches: int, seed: int) -> list:
-    """The calibration batches a retrofit on ``problems_file`` plans its effect roles on (its model's sampled
-    completions, cached beside the file; ``batches`` of the default tokens per batch)."""
+    """The calibration batches a retrofit on ``problems_file`` plans its effect roles on: its model's sampled
+    completions (cached beside the file), ``batches`` of four spread over every length."""
     from training.completions import sample_completions
-    from training.retrofit import RetrofitConfig, calibration_batches, training_text
+    from training.retrofit_data import ProblemText
 
-    config = RetrofitConfig(model=model_dir, problems=problems_file, max_new_tokens=1536, seed=seed,
-                            effect_batches=batches)
     cache = Path(problems_file).with_name(Path(problems_file).stem + "-completions")
-    completions = sample_completions(model_dir, problems_file, cache,
-                                     max_new_tokens=config.max_new_tokens, seed=seed, quiet=True)
-    return calibration_batches(config, training_text(config, tokenizer, completions))
+    completions = sample_completions(model_dir, problems_file, cache, max_new_tokens=1536, seed=seed, quiet=True)
+    text = ProblemText.from_completions(completions, seed, tokens_per_batch=0, pad_id=tokenizer.pad_token_id or 0)
+    return text.spread_batches(batches)
 
 
 def kind_scores(model_dir: str, k_min: int, k_max: int, n: int, window: int, seed: int, kinds: int, layer: int,

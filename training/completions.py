@@ -80,14 +80,22 @@ def read_problem_file(path: str | Path, task: str) -> list[dict]:
 
 
 def sample_completions(model_dir: str | Path, problems_path: str | Path, out_dir: str | Path, task: str | None = None,
-                       samples: int = 1, max_new_tokens: int = 2048, seed: int = 0, quiet: bool = False,
+                       *, samples: int = 1, max_new_tokens: int = 2048, seed: int = 0, quiet: bool = False,
                        temperature: float | None = None) -> list[Completion]:
-    """``samples`` completions of every problem, from the cache in ``out_dir`` where it has them, else sampled now
-    (and added to the cache). ``task``: the family of rows that name none (default: the model's); ``temperature``:
-    instead of the model's own (0: greedy)."""
+    """``samples`` completions of every problem of a problem file (see :func:`complete_problems`)."""
+    task = task or default_family(model_dir)
+    return complete_problems(model_dir, read_problem_file(problems_path, task), out_dir, task, samples=samples,
+                             max_new_tokens=max_new_tokens, seed=seed, quiet=quiet, temperature=temperature)
+
+
+def complete_problems(model_dir: str | Path, problems: list[dict], out_dir: str | Path, task: str | None = None,
+                      *, samples: int = 1, max_new_tokens: int = 2048, seed: int = 0, quiet: bool = False,
+                      temperature: float | None = None) -> list[Completion]:
+    """``samples`` completions of every problem row (``id``, ``prompt``), from the cache in ``out_dir`` where it has
+    them, else sampled now (and added to the cache). ``task``: the family of rows that name none (default: the
+    model's); ``temperature``: instead of the model's own (0: greedy)."""
     tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
     task = task or default_family(model_dir)
-    problems = read_problem_file(problems_path, task)
     base = model_sampling(model_dir, max_new_tokens)
     if temperature is not None:
         base = SamplingParams(**(asdict(base) | {"temperature": temperature}))

@@ -168,7 +168,7 @@ def plan_effect_roles(model, handle, batches: list[Batch], window: int, layer: i
     costed = tqdm(list(zip(batches, hidden, olds, bases)), desc="effect roles: costing kinds", disable=quiet)
     for batch, h, old, base in costed:
         ids = batch.input_ids.to(device)
-        if cost == "kl":
+        if cost == "kl":  # the frozen distribution again, one pass per batch: all batches' logits would not fit
             with handle.mode("off"):
                 reference = F.log_softmax(model(input_ids=ids, use_cache=False).logits.float(), dim=-1)
         of_kind = roles.kinds(h, in_completion(batch))

@@ -492,7 +492,8 @@ def retrofit(config: RetrofitConfig, steps: int | None = None, quiet: bool = Fal
     completions = None
     if config.problems is not None:  # sampled before training loads its model: the engine's copy is gone by then
         completions = sample_completions(config.model, config.problems, out_dir, config.task,
-                                         config.completions_per_problem, config.max_new_tokens, config.seed, quiet)
+                                         samples=config.completions_per_problem,
+                                         max_new_tokens=config.max_new_tokens, seed=config.seed, quiet=quiet)
     model, tokenizer = load_model(config.model, device=device, dtype=torch.bfloat16 if device == "cuda" else torch.float32)
     text = training_text(config, tokenizer, completions)
     teacher = copy.deepcopy(model) if config.full_finetune else model

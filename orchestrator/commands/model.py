@@ -216,7 +216,8 @@ def fit_adapter_thresholds(config, parser, problems: int) -> int:
                               config.threshold_seed)
     else:  # the model's own completions of the user's prompts, as training read them (sampled now if not cached)
         completions = sample_completions(config.model, config.problems, config.output_dir, config.task,
-                                         config.completions_per_problem, config.max_new_tokens, config.seed)
+                                         samples=config.completions_per_problem,
+                                         max_new_tokens=config.max_new_tokens, seed=config.seed)
         fits = fit_thresholds_on_text(model_dir, config.output_dir, config.ratios,
                                       calibration_sequences(completions, problems), config.seed)
     print(describe(fits))
