@@ -141,6 +141,30 @@ def test_kept_by_role_counts_what_the_cache_holds_past_the_window(threshold, kep
     assert report["pairs_keeping_long_lived_whole"] == (report["pairs"] if kept else 0)
 
 
+@pytest.mark.parametrize("threshold, kept", [(1e9, 1.0), (-1e9, 0.0)])
+def test_kept_by_role_scores_the_long_lived_set_a_retrofit_planned(tmp_path, threshold, kept):
+    """Every kind planned long-lived: the planned set is every token past the window, so it is kept as the roles are;
+    the plan's bands ask three pairs to keep it at 8x."""
+    import torch
+
+    from training.effect_roles import EffectRoles
+    from training.gate_labels import RoleLabels
+
+    kinds = EffectRoles(3, torch.zeros(192), torch.ones(192), torch.randn(4, 193), torch.ones(4),
+                        torch.ones(4, dtype=torch.bool))  # layer 3 of the 192-wide shipped model, four kinds
+    bonus = torch.zeros(6, 2)
+    bonus[1:4, 0] = 2.0
+    state = tmp_path / "retrofit_state-adapter-w32.pt"
+    torch.save({"roles": RoleLabels(bonus, [0.5, 1.0, 1.5], kinds).state()}, state)
+    done = tool("kept_by_role", "--model", "checkpoints/chain-qwen3", "--cr", "8", "--k", "3-4", "--n", "2",
+                "--threshold", str(threshold), "--planned", str(state))
+    assert done.returncode == 0, done.stderr
+    report = json.loads(done.stdout)
+    assert report["planned_long_lived_kept"] == kept and report["pairs_planned_whole"] == 3
+    assert report["pairs_keeping_planned_whole"] == (report["pairs"] if kept else 0)
+    assert all(f == kept for layer in report["planned_kept_by_layer"] for f in layer)
+
+
 def test_role_scores_ranks_tokens_by_each_score_against_the_chain_roles():
     done = tool("role_scores", "--k", "6-8", "--n", "2")
     assert done.returncode == 0, done.stderr
