@@ -167,6 +167,20 @@ def test_role_labels_need_the_chain_task(tmp_path, model_dir, problems, capsys):
     assert not (tmp_path / "out").exists()  # refused before anything ran
 
 
+def test_role_labels_take_a_chain_models_own_completions(tmp_path):
+    """A chain model's completions of chain prompts are chain text: the chain roles label them (the bound a
+    task-agnostic long-lived set is measured against); another family's rows are refused, as above."""
+    from training.retrofit import RetrofitConfig
+
+    prompts = tmp_path / "chain.jsonl"
+    prompts.write_text(json.dumps({"id": "c0", "prompt": "a=7;b=42;c=a+b;?c"}) + "\n")
+    config = RetrofitConfig(model="checkpoints/chain-qwen3-base", problems=str(prompts), warmstart_labels="cot_roles")
+    assert config.warmstart_labels == "cot_roles"
+    with pytest.raises(ValueError, match="cot_roles.*'math'"):
+        RetrofitConfig(model="checkpoints/chain-qwen3-base", problems=str(prompts), task="math",
+                       warmstart_labels="cot_roles")
+
+
 def test_effect_roles_plan_a_long_lived_set_on_a_problem_files_completions_and_keep_it_across_a_resume(
         tmp_path, model_dir, problems):
     """The role labels without the chain task: the long-lived kinds are found on the model's own completions, the

@@ -64,7 +64,7 @@ from training.gate_labels import RoleLabels, eligible_mask, far_attention_labels
 from dms_runtime.loading import load_model
 from dms_runtime.nvidia_gates import export_block_size
 from dms_runtime.nvidia_layout import export_nvidia_layout
-from tasks.families import FAMILIES
+from tasks.families import FAMILIES, default_family
 from training.precision import autocast
 from training.thresholds import DEFAULT_PROBLEMS
 from training.yaml_config import load_yaml_config
@@ -165,10 +165,11 @@ class RetrofitConfig(BaseModel):
             if self.task is not None:
                 raise ValueError("task: names the family of a problem file's rows; it needs problems")
             return self
-        if self.warmstart_labels == "cot_roles":
-            raise ValueError("warmstart_labels: cot_roles labels the roles of the chain task's reference chain of "
-                             "thought; a problem file's completions have none: use effect_roles (found for any "
-                             "task), per_head or per_token")
+        family = self.task or default_family(self.model)
+        if self.warmstart_labels == "cot_roles" and family != "chain":
+            raise ValueError(f"warmstart_labels: cot_roles labels the roles of the chain task's chain of thought; "
+                             f"completions of {family!r} rows have none: use effect_roles (found for any task), "
+                             f"per_head or per_token")
         return self
 
     @model_validator(mode="after")
