@@ -13,8 +13,8 @@ decoding it would have held (``training.thresholds.measure_teacher_forced``). A 
 long-lived tokens ``whole`` when it holds at least 95% of both roles' tokens outside the window.
 
 ``--planned STATE`` also scores the adapter against the long-lived set a task-agnostic retrofit planned for itself
-(``warmstart_labels: effect_roles``, in its ``retrofit_state-*.pt``; the kinds read off ``--frozen``'s hidden states,
-the model it planned with): the fraction of those tokens each pair keeps, and how many pairs the plan asked to keep
+(``warmstart_labels: effect_roles``, in its ``retrofit_state-*.pt``; the kinds read off the hidden states of the
+adapter's ``base_model``, the frozen model it planned with): the fraction of those tokens each pair keeps, and how many pairs the plan asked to keep
 them whole at this ratio. It tells a plan the gates did not learn from a plan that was wrong.
 """
 
@@ -26,7 +26,7 @@ import random
 
 import torch
 
-from dms_runtime.adapters import adapter_path, load_adapter
+from dms_runtime.adapters import adapter_path, load_adapter, read_adapter_metadata
 from dms_runtime.loading import load_model
 from tasks.chain import generate_problem
 from training.chain_data import encode_example, pad_examples, token_regions
@@ -39,11 +39,11 @@ ROLES = ("prompt", "register", "scratch")
 
 @torch.inference_mode()
 def kept_by_role(model_dir: str, cr: float, k_min: int, k_max: int, n: int, seed: int,
-                 threshold: float | None = None, planned: str | None = None,
-                 frozen: str = "checkpoints/chain-qwen3-base", plan_ratios: tuple[float, ...] = (2, 4, 8)) -> dict:
+                 threshold: float | None = None, planned: str | None = None) -> dict:
     model, tokenizer = load_model(model_dir)
+    adapter = read_adapter_metadata(adapter_path(model_dir, cr))
     plan = restore_role_labels(torch.load(planned, weights_only=False)["roles"]) if planned else None
-    frozen_model = load_model(frozen)[0] if plan is not None else None
+    frozen_model = load_model(adapter["base_model"])[0] if plan is not None else None
     planned_counts = None  # [layers, kv heads, (kept, eligible)]
     handle = load_adapter(model, adapter_path(model_dir, cr), threshold=threshold)
     window = handle.config.window
@@ -90,7 +90,8 @@ def kept_by_role(model_dir: str, cr: float, k_min: int, k_max: int, n: int, seed
         report[f"{name}_kept_by_layer"] = [[round(float(f), 3) for f in layer] for layer in fractions[..., index]]
     if plan is not None:
         planned_fractions = planned_counts[..., 0] / planned_counts[..., 1].clamp(min=1)
-        ratio_index = plan_ratios.index(cr)  # the plan's thresholds are in the order of the retrofit's ratios
+        ratios = [float(r) for r in adapter["ratios_trained_together"]]  # the plan's thresholds are in this order
+        ratio_index = ratios.index(float(cr))
         report |= {"planned": planned, "planned_long_lived_kept": round(float(planned_counts[..., 0].sum()
                                                                              / planned_counts[..., 1].sum()), 3),
                    "pairs_planned_whole": plan.kept_pairs(ratio_index),
@@ -108,12 +109,10 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threshold", type=float, help="the gates' decision threshold (default: the adapter's own)")
     parser.add_argument("--planned", help="a retrofit's state file: also score the long-lived set it planned")
-    parser.add_argument("--frozen", default="checkpoints/chain-qwen3-base", help="with --planned: the model it planned with")
-    parser.add_argument("--plan-ratios", type=float, nargs="+", default=[2, 4, 8], help="with --planned: its ratios")
     args = parser.parse_args()
     k_min, _, k_max = args.k.partition("-")
     print(json.dumps(kept_by_role(args.model, args.cr, int(k_min), int(k_max or k_min), args.n, args.seed, args.threshold,
-                                  args.planned, args.frozen, tuple(args.plan_ratios))))
+                                  args.planned)))
 
 
 if __name__ == "__main__":

@@ -165,8 +165,8 @@ class RetrofitConfig(BaseModel):
             if self.task is not None:
                 raise ValueError("task: names the family of a problem file's rows; it needs problems")
             return self
-        family = self.task or default_family(self.model)
-        if self.warmstart_labels == "cot_roles" and family != "chain":
+        family = (self.task or default_family(self.model)) if self.warmstart_labels == "cot_roles" else None
+        if family not in (None, "chain"):
             raise ValueError(f"warmstart_labels: cot_roles labels the roles of the chain task's chain of thought; "
                              f"completions of {family!r} rows have none: use effect_roles (found for any task), "
                              f"per_head or per_token")
